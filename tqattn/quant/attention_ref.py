@@ -1,0 +1,84 @@
+"""Attention computed directly on the codes — the math of the Triton decode kernel.
+
+The query is rotated once (q @ R); each score is scale · n_j · ⟨q R, ĉ_j⟩ (+ the QJL term
+n_j‖r_j‖√(π/2)/D · ⟨q Sᵀ, s_j⟩); keys are never un-rotated. Uniform values are dequantized in
+place; rotated ("tq") values are accumulated in the rotated basis and the output is un-rotated
+once. fp8 keys are scored as scale · ⟨q, k̂⟩.
+
+Rows: ``q`` is (T, Hq, D) — T query rows of one sequence (T = 1 for decode, more for a short
+chunked-prefill continuation) — and row t sees the keys [lo_t, hi_t) of the sequence's slots,
+hi_t = ``kv_lens[t]`` (default all) and lo_t = max(0, hi_t − window) under a sliding window.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .codec import TQCodec
+
+
+def visible_keys(t: int, l: int, kv_lens, window, device) -> torch.Tensor:
+    """(T, L) mask: row t sees keys [max(0, hi_t − window), hi_t), hi_t = kv_lens[t] or L."""
+    pos = torch.arange(l, device=device)
+    hi = torch.full((t,), l, device=device) if kv_lens is None else kv_lens.to(device)
+    lo = (hi - window).clamp_min(0) if window else torch.zeros_like(hi)
+    return (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
+
+
+def attention_on_codes(codec: TQCodec, q: torch.Tensor, slots: torch.Tensor, *,
+                       scale: float | None = None, kv_lens: torch.Tensor | None = None,
+                       window: int | None = None, softcap: float = 0.0,
+                       return_lse: bool = False):
+    """q (T, Hq, D), slots (L, Hk, slot_bytes) → out (T, Hq, D) float32 [, lse (T, Hq)]."""
+    t, hq, d = q.shape
+    l, hk, _ = slots.shape
+    if d != codec.head_dim or hq % hk:
+        raise ValueError(f"query shape {tuple(q.shape)} does not fit slots {tuple(slots.shape)} "
+                         f"(head size {codec.head_dim}, query heads must be a multiple of KV heads)")
+    group = hq // hk
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qf = q.float().reshape(t, hk, group, d)
+
+    if codec.preset.key.codec == "fp8":
+        scores = torch.einsum("tkgd,lkd->tkgl", qf, codec.decode_keys(slots))
+    else:
+        scores = torch.einsum("tkgd,lkd->tkgl", qf @ codec.rotation, codec.rotated_keys(slots))
+        if codec.qjl_matrix is not None:
+            signs, coef = codec.qjl_parts(slots)
+            proj = torch.einsum("tkgd,lkd->tkgl", qf @ codec.qjl_matrix.T, signs)
+            scores = scores + proj * coef.T[None, :, None, :]
+    scores = scores * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+
+    visible = visible_keys(t, l, kv_lens, window, slots.device)                  # (T, L)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                         # (T, Hk, G)
+    p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+
+    if codec.values is not None:
+        out = torch.einsum("tkgl,lkd->tkgd", p, codec.rotated_values(slots)) @ codec.rotation.T
+    else:
+        out = torch.einsum("tkgl,lkd->tkgd", p, codec.decode_values(slots))
+    out = out.reshape(t, hq, d)
+    return (out, lse.reshape(t, hq)) if return_lse else out
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                    scale: float | None = None, kv_lens: torch.Tensor | None = None,
+                    window: int | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """Plain softmax attention over K/V (L, Hk, D) with the same row rules, float32."""
+    t, hq, d = q.shape
+    l, hk, _ = k.shape
+    rep = hq // hk
+    kf = k.float().repeat_interleave(rep, 1)
+    vf = v.float().repeat_interleave(rep, 1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    s = torch.einsum("thd,lhd->thl", q.float(), kf) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    visible = visible_keys(t, l, kv_lens, window, k.device)
+    s = s.masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.einsum("thl,lhd->thd", torch.softmax(s, -1).nan_to_num(0.0), vf)

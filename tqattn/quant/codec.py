@@ -1,0 +1,241 @@
+"""The TurboQuant KV codec in plain PyTorch: encode K/V into cache slots and decode them back.
+
+This is the reference every Triton kernel is tested against (CPU and CUDA).
+
+Keys ("mse"): n = ‖k‖ (fp32), x̂ = k / (n + 1e-8), y = x̂ @ R, code_i = bucketize(y_i, midpoints),
+stored as packed codes + fp16 n. Decoded in the rotated basis as n · ĉ, where ĉ is the centroid
+vector after the optional correction: "nc" rescales ĉ to unit norm (vLLM's norm correction),
+"debias" multiplies it by 1/(1 − D_b) (the zero-storage inner-product debias). With QJL
+(TurboQuant_prod) the mse part uses one bit less and the residual r = x̂ − ĉ @ Rᵀ is stored as
+sign(r @ Sᵀ) (S a seeded Gaussian D×D matrix, independent of R) plus fp16 ‖r‖; its estimate is
+‖r‖·√(π/2)/D · sign(r Sᵀ) @ S.
+Keys ("fp8"): e4m3, unscaled and unrotated (vLLM); values beyond ±448 saturate.
+Values ("uniform"): per token and KV head, scale = (max − min)/(2^b − 1) (at least 1e-8),
+q = clamp(floor((v − min)/scale + 0.5)), stored with fp16 scale and fp16 min; v̂ = q·scale + min.
+Values ("tq"): same as mse keys on v, decoded n · ĉ @ Rᵀ.
+
+Non-finite input: ``on_nonfinite="raise"`` (default) raises ValueError naming how many elements
+are bad and where; ``"propagate"`` encodes the vector's fp16 norm/scale as NaN so every read of
+that slot yields NaN — what a bf16 cache holding NaN would give, and what the store kernel does
+(it cannot raise without a host sync). Garbage is never written as if it were a valid vector.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .codebook import get_codebook
+from .layout import SlotLayout, build_layout
+from .packing import pack_bits, unpack_bits
+from .presets import TQPreset, get_preset, split_bits
+from .rotation import rotation_matrix
+
+FP8_MAX = 448.0
+NORM_EPS = 1e-8
+SCALE_MIN = 1e-8
+QJL_SEED_OFFSET = 0x5EED_0F_0A  # keeps S independent of the rotation's seed
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
+
+
+def _read_fp16(slots: torch.Tensor, off: int) -> torch.Tensor:
+    return slots[..., off:off + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+class _ScalarCodes:
+    """Lloyd–Max codes of a rotated unit vector, possibly at two widths (fractional bits)."""
+
+    def __init__(self, layout: SlotLayout, prefix: str, bits: float, dim: int, kind: str,
+                 correction: str, device):
+        low, n_hi, _ = split_bits(bits, dim)
+        self.n_hi = n_hi
+        self.fields = ([layout.field(f"{prefix}_hi")] if n_hi else []) + [layout.field(prefix)]
+        books = ([get_codebook(dim, low + 1, kind)] if n_hi else []) + [get_codebook(dim, low, kind)]
+        self.centroids = [torch.tensor(b.centroids, dtype=torch.float32, device=device) for b in books]
+        self.boundaries = [torch.tensor(b.boundaries, dtype=torch.float32, device=device) for b in books]
+        self.correction = correction
+        # Debias uses the D_b of the widths in use, weighted by coordinate count.
+        d_b = sum(b.mse * n for b, n in zip(books, ([n_hi] if n_hi else []) + [dim - n_hi])) / dim
+        self.debias = 1.0 / (1.0 - d_b)
+
+    def _parts(self, y: torch.Tensor) -> list[torch.Tensor]:
+        return [y[..., :self.n_hi], y[..., self.n_hi:]] if self.n_hi else [y]
+
+    def encode(self, y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Write the codes of rotated unit vectors y into slots; return the raw centroid vector."""
+        recon = []
+        for part, f, bnd, cen in zip(self._parts(y), self.fields, self.boundaries, self.centroids):
+            idx = torch.bucketize(part.contiguous(), bnd)
+            slots[..., f.offset:f.offset + f.nbytes] = pack_bits(idx, f.bits)
+            recon.append(cen[idx])
+        return torch.cat(recon, -1)
+
+    def centroid_vectors(self, slots: torch.Tensor, *, corrected: bool = True) -> torch.Tensor:
+        c = torch.cat([cen[unpack_bits(slots[..., f.offset:f.offset + f.nbytes], f.bits, f.count)]
+                       for f, cen in zip(self.fields, self.centroids)], -1)
+        if not corrected or self.correction == "none":
+            return c
+        if self.correction == "nc":
+            return c / c.norm(dim=-1, keepdim=True)
+        return c * self.debias
+
+
+class TQCodec:
+    """Encoder/decoder for one (preset, head size); holds the rotation and codebooks."""
+
+    def __init__(self, preset: str | TQPreset, head_dim: int, *, device=None, seed: int = 0):
+        self.preset = get_preset(preset)
+        self.layout = build_layout(self.preset, head_dim)
+        self.head_dim = head_dim
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.seed = seed
+        p, d = self.preset, head_dim
+        self.rotation = rotation_matrix(d, signs=p.rotation_signs, seed=seed, device=self.device)
+        self.keys = None
+        if p.key.codec == "mse":
+            self.keys = _ScalarCodes(self.layout, "k_idx", p.key.mse_bits, d, p.codebook,
+                                     p.key.correction, self.device)
+        self.values = None
+        if p.value.codec == "tq":
+            self.values = _ScalarCodes(self.layout, "v_idx", p.value.bits, d, p.codebook,
+                                       p.value.correction, self.device)
+        self.qjl_matrix = None
+        if p.key.qjl:
+            gen = torch.Generator().manual_seed(seed + QJL_SEED_OFFSET)
+            self.qjl_matrix = torch.randn(d, d, generator=gen).to(self.device)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.layout.slot_bytes
+
+    # ---- validation ------------------------------------------------------------------------------
+
+    def _check(self, x: torch.Tensor, what: str, on_nonfinite: str) -> None:
+        if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{what} must be a float16/bfloat16/float32 tensor, got {got}")
+        if x.shape[-1:] != (self.head_dim,):
+            raise ValueError(f"{what} last dimension is {tuple(x.shape)[-1:]}, expected head size "
+                             f"{self.head_dim} for preset {self.preset.name}")
+        if on_nonfinite not in ("raise", "propagate"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}; valid: 'raise', 'propagate'")
+        if on_nonfinite == "raise":
+            bad = ~torch.isfinite(x)
+            if bool(bad.any()):
+                where = bad.nonzero()[0].tolist()
+                raise ValueError(f"{what} holds {int(bad.sum())} non-finite element(s) (first at "
+                                 f"index {where}); refusing to write them into the cache "
+                                 f"(pass on_nonfinite='propagate' to store NaN markers instead)")
+
+    # ---- encode ----------------------------------------------------------------------------------
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, *, on_nonfinite: str = "raise") -> torch.Tensor:
+        """K, V (..., D) → uint8 slots (..., slot_bytes)."""
+        self._check(k, "key", on_nonfinite)
+        self._check(v, "value", on_nonfinite)
+        if k.shape != v.shape:
+            raise ValueError(f"key shape {tuple(k.shape)} != value shape {tuple(v.shape)}")
+        slots = torch.zeros(*k.shape[:-1], self.slot_bytes, dtype=torch.uint8, device=k.device)
+        self._encode_keys(k.float(), slots)
+        self._encode_values(v.float(), slots)
+        return slots
+
+    def _put_fp16(self, slots, name, x):
+        f = self.layout.field(name)
+        slots[..., f.offset:f.offset + 2] = _fp16_bytes(x)
+
+    def _encode_unit(self, x: torch.Tensor, codes: _ScalarCodes, slots, norm_field: str):
+        bad = ~torch.isfinite(x).all(-1)
+        x = torch.where(bad[..., None], torch.zeros_like(x), x)
+        n = x.norm(dim=-1)
+        unit = x / (n[..., None] + NORM_EPS)
+        c = codes.encode(unit @ self.rotation, slots)
+        self._put_fp16(slots, norm_field, torch.where(bad, torch.full_like(n, math.nan), n))
+        return unit, c
+
+    def _encode_keys(self, k: torch.Tensor, slots: torch.Tensor) -> None:
+        if self.preset.key.codec == "fp8":
+            f = self.layout.field("k_fp8")
+            k = torch.where(torch.isfinite(k), k.clamp(-FP8_MAX, FP8_MAX), math.nan)
+            k8 = k.to(torch.float8_e4m3fn)
+            slots[..., f.offset:f.offset + f.nbytes] = k8.view(torch.uint8)
+            return
+        unit, c = self._encode_unit(k, self.keys, slots, "k_norm")
+        if self.qjl_matrix is not None:
+            r = unit - c @ self.rotation.T
+            f = self.layout.field("k_qjl")
+            slots[..., f.offset:f.offset + f.nbytes] = pack_bits((r @ self.qjl_matrix.T >= 0).to(torch.uint8), 1)
+            self._put_fp16(slots, "k_rnorm", r.norm(dim=-1))
+
+    def _encode_values(self, v: torch.Tensor, slots: torch.Tensor) -> None:
+        if self.values is not None:
+            self._encode_unit(v, self.values, slots, "v_norm")
+            return
+        levels = 2 ** int(self.preset.value.bits) - 1
+        bad = ~torch.isfinite(v).all(-1)
+        v = torch.where(bad[..., None], torch.zeros_like(v), v)
+        vmin, vmax = v.amin(-1), v.amax(-1)
+        scale = ((vmax - vmin) / levels).clamp_min(SCALE_MIN)
+        q = torch.floor((v - vmin[..., None]) / scale[..., None] + 0.5).clamp(0, levels)
+        f = self.layout.field("v_q")
+        slots[..., f.offset:f.offset + f.nbytes] = pack_bits(q.to(torch.int32), f.bits)
+        self._put_fp16(slots, "v_scale", torch.where(bad, torch.full_like(scale, math.nan), scale))
+        self._put_fp16(slots, "v_zero", vmin)
+
+    # ---- decode ----------------------------------------------------------------------------------
+
+    def _check_slots(self, slots: torch.Tensor) -> None:
+        if slots.dtype != torch.uint8 or slots.shape[-1] != self.slot_bytes:
+            raise ValueError(f"slots must be uint8 (..., {self.slot_bytes}) for preset "
+                             f"{self.preset.name} at head size {self.head_dim}, got "
+                             f"{slots.dtype} {tuple(slots.shape)}")
+
+    def key_norms(self, slots: torch.Tensor) -> torch.Tensor:
+        return _read_fp16(slots, self.layout.field("k_norm").offset)
+
+    def rotated_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        """mse keys in the rotated basis, n · ĉ (corrected); QJL term excluded."""
+        return self.key_norms(slots)[..., None] * self.keys.centroid_vectors(slots)
+
+    def qjl_parts(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(±1 signs (..., D), coefficient n·‖r‖·√(π/2)/D (...)) of the QJL residual."""
+        f = self.layout.field("k_qjl")
+        signs = unpack_bits(slots[..., f.offset:f.offset + f.nbytes], 1, f.count).float() * 2 - 1
+        coef = (self.key_norms(slots) * _read_fp16(slots, self.layout.field("k_rnorm").offset)
+                * math.sqrt(math.pi / 2) / self.head_dim)
+        return signs, coef
+
+    def decode_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        self._check_slots(slots)
+        if self.preset.key.codec == "fp8":
+            f = self.layout.field("k_fp8")
+            return slots[..., f.offset:f.offset + f.nbytes].contiguous().view(torch.float8_e4m3fn).float()
+        k = self.rotated_keys(slots) @ self.rotation.T
+        if self.qjl_matrix is not None:
+            signs, coef = self.qjl_parts(slots)
+            k = k + coef[..., None] * (signs @ self.qjl_matrix)
+        return k
+
+    def rotated_values(self, slots: torch.Tensor) -> torch.Tensor:
+        """tq values in the rotated basis, n · ĉ (corrected)."""
+        n = _read_fp16(slots, self.layout.field("v_norm").offset)
+        return n[..., None] * self.values.centroid_vectors(slots)
+
+    def decode_values(self, slots: torch.Tensor) -> torch.Tensor:
+        self._check_slots(slots)
+        if self.values is not None:
+            return self.rotated_values(slots) @ self.rotation.T
+        f = self.layout.field("v_q")
+        q = unpack_bits(slots[..., f.offset:f.offset + f.nbytes], f.bits, f.count).float()
+        scale = _read_fp16(slots, self.layout.field("v_scale").offset)
+        zero = _read_fp16(slots, self.layout.field("v_zero").offset)
+        return q * scale[..., None] + zero[..., None]
+
+    def decode(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots → (K̂, V̂) float32 in the original basis."""
+        return self.decode_keys(slots), self.decode_values(slots)

@@ -40,7 +40,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16).contiguous().view(torch.uint8).reshape(*x.shape, 2)
+    return x.to(torch.float16).reshape(*x.shape, 1).contiguous().view(torch.uint8)
 
 
 def _read_fp16(slots: torch.Tensor, off: int) -> torch.Tensor:

@@ -1,0 +1,157 @@
+import math
+
+import pytest
+import torch
+
+from tqattn.quant.attention_ref import attention_on_codes, dense_attention
+from tqattn.quant.codec import TQCodec
+from tqattn.quant.presets import PRESETS, KeySpec, TQPreset, ValueSpec, split_bits
+
+HEAD_SIZES = [64, 80, 96, 128, 192, 256, 512]
+THEORY_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.00950}
+
+
+def theory(bits, dim):
+    low, n_hi, n_lo = split_bits(bits, dim)
+    return (THEORY_MSE[low + 1] * n_hi + THEORY_MSE[low] * n_lo) / dim if n_hi else THEORY_MSE[low]
+
+
+def nmse(x, y):
+    return ((x - y).pow(2).sum(-1) / y.pow(2).sum(-1)).mean().item()
+
+
+@pytest.mark.parametrize("dim", HEAD_SIZES)
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if not p.key.qjl])
+def test_round_trip_within_theory(name, dim):
+    codec = TQCodec(name, dim, seed=1)
+    k = torch.randn(2, 128, 3, dim, dtype=torch.bfloat16)
+    v = torch.randn(2, 128, 3, dim, dtype=torch.float16)
+    slots = codec.encode(k, v)
+    assert slots.shape == (2, 128, 3, codec.slot_bytes) and slots.dtype == torch.uint8
+    kh, vh = codec.decode(slots)
+    assert kh.shape == k.shape and vh.shape == v.shape
+    p = codec.preset
+    if p.key.codec == "mse":
+        assert nmse(kh, k.float()) <= 1.2 * theory(p.key.bits, dim)
+    else:
+        assert nmse(kh, k.float()) < 1e-3  # fp8 e4m3: 3 mantissa bits
+    if p.value.codec == "tq":
+        assert nmse(vh, v.float()) <= 1.2 * theory(p.value.bits, dim)
+    else:  # uniform codes: error of a uniform quantizer, step (max − min)/(2^b − 1)
+        vf = v.float()
+        step = (vf.amax(-1) - vf.amin(-1)) / (2 ** int(p.value.bits) - 1)
+        expected = (dim * step ** 2 / 12 / vf.pow(2).sum(-1)).mean().item()
+        assert nmse(vh, vf) <= 1.2 * expected
+
+
+def test_vllm_math_k3v4_nc():
+    """Encode one key by hand with vLLM's recipe (plain Hadamard, Gaussian levels) and compare."""
+    from tqattn.quant.codebook import get_codebook
+    from tqattn.quant.packing import pack_bits
+    from tqattn.quant.rotation import hadamard
+
+    codec = TQCodec("turboquant_k3v4_nc", 128)
+    k = torch.randn(128)
+    v = torch.randn(128)
+    s = codec.encode(k, v)
+    n = k.norm()
+    y = (k / (n + 1e-8)) @ hadamard(128).float()
+    idx = torch.bucketize(y, torch.tensor(get_codebook(128, 3, "gaussian").boundaries, dtype=torch.float32))
+    assert torch.equal(s[:48], pack_bits(idx, 3))
+    assert s[48:50].view(torch.float16).item() == n.half().item()
+    scale = (v.max() - v.min()) / 15
+    q = torch.floor((v - v.min()) / scale + 0.5).clamp(0, 15).to(torch.int64)
+    assert torch.equal(s[50:114], pack_bits(q, 4))
+    assert s[114:116].view(torch.float16).item() == scale.half().item()
+    assert s[116:118].view(torch.float16).item() == v.min().half().item()
+    # norm correction: decoded key = n · ĉ/‖ĉ‖ rotated back
+    c = torch.tensor(get_codebook(128, 3, "gaussian").centroids, dtype=torch.float32)[idx]
+    expect = n.half().float() * (c / c.norm()) @ hadamard(128).float().T
+    assert torch.allclose(codec.decode_keys(s), expect, atol=1e-5)
+
+
+def _slope(codec, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4000, codec.head_dim, generator=g)
+    y = torch.randn(4000, codec.head_dim, generator=g)
+    est = (codec.decode_keys(codec.encode(x, x)) * y).sum(-1)
+    true = (x * y).sum(-1)
+    return ((est * true).sum() / (true * true).sum()).item()
+
+
+def _key_preset(bits, correction="none", qjl=False):
+    return TQPreset("ab", KeySpec("mse", bits, correction, qjl), ValueSpec("tq", 4), True, "exact")
+
+
+def test_qjl_is_unbiased_and_mse_shrinks_by_one_minus_d():
+    from tqattn.quant.codebook import get_codebook
+    d = 128
+    plain = [_slope(TQCodec(_key_preset(2), d, seed=s), s) for s in range(3)]
+    qjl = [_slope(TQCodec(_key_preset(3, qjl=True), d, seed=s), s) for s in range(3)]
+    debias = [_slope(TQCodec(_key_preset(2, "debias"), d, seed=s), s) for s in range(3)]
+    shrink = 1 - get_codebook(d, 2).mse     # ≈ 0.884
+    assert sum(plain) / 3 == pytest.approx(shrink, abs=0.015)
+    assert sum(qjl) / 3 == pytest.approx(1.0, abs=0.015)
+    assert sum(debias) / 3 == pytest.approx(1.0, abs=0.015)
+
+
+def test_qjl_uses_an_independent_projection():
+    c = TQCodec("tq_k4v4_qjl", 128, seed=0)
+    r = c.rotation
+    assert not torch.allclose(c.qjl_matrix / c.qjl_matrix.norm(), r / r.norm(), atol=1e-2)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_zero_vectors_round_trip_to_zero(name):
+    codec = TQCodec(name, 128)
+    z = torch.zeros(4, 2, 128)
+    k, v = codec.decode(codec.encode(z, z))
+    assert torch.equal(k, torch.zeros_like(k)) and torch.equal(v, torch.zeros_like(v))
+
+
+def test_bad_input_errors():
+    codec = TQCodec("turboquant_k3v4_nc", 128)
+    good = torch.randn(3, 128)
+    with pytest.raises(TypeError, match="float16/bfloat16/float32"):
+        codec.encode(good.to(torch.int32), good)
+    with pytest.raises(TypeError, match="float16/bfloat16/float32"):
+        codec.encode(good.double(), good)
+    with pytest.raises(ValueError, match="last dimension .* head size 128"):
+        codec.encode(torch.randn(3, 64), torch.randn(3, 64))
+    with pytest.raises(ValueError, match="shape"):
+        codec.encode(good, torch.randn(4, 128))
+    with pytest.raises(ValueError, match="slots must be uint8"):
+        codec.decode(torch.zeros(3, 100, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k3v4", "tq_k4v4_qjl"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nonfinite_raise_or_propagate(name, bad):
+    codec = TQCodec(name, 128)
+    k, v = torch.randn(4, 128), torch.randn(4, 128)
+    k[2, 7] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.encode(k, v)
+    kh, vh = codec.decode(codec.encode(k, v, on_nonfinite="propagate"))
+    assert not torch.isfinite(kh[2]).all()          # the poisoned vector is marked, loudly
+    assert torch.isfinite(kh[[0, 1, 3]]).all() and torch.isfinite(vh).all()
+    v[1, 0] = bad
+    _, vh = codec.decode(codec.encode(k, v, on_nonfinite="propagate"))
+    assert not torch.isfinite(vh[1]).all() and torch.isfinite(vh[[0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("dim", [64, 96, 128])
+def test_attention_on_codes_equals_dense_on_decoded(name, dim):
+    codec = TQCodec(name, dim, seed=2)
+    k, v = torch.randn(70, 2, dim), torch.randn(70, 2, dim)
+    slots = codec.encode(k, v)
+    kh, vh = codec.decode(slots)
+    q = torch.randn(5, 8, dim)
+    lens = torch.tensor([70, 69, 40, 1, 70])
+    for window, cap in [(None, 0.0), (16, 0.0), (None, 30.0)]:
+        out, lse = attention_on_codes(codec, q, slots, kv_lens=lens, window=window, softcap=cap,
+                                      return_lse=True)
+        ref = dense_attention(q, kh, vh, kv_lens=lens, window=window, softcap=cap)
+        assert torch.allclose(out, ref, atol=2e-5), (window, cap)
+        assert lse.shape == (5, 8) and torch.isfinite(lse).all()

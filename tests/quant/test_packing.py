@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from tqattn.quant.packing import pack_bits, packed_nbytes, unpack_bits
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("n", [8, 64, 80, 96, 128, 12])
+def test_round_trip(bits, n):
+    codes = torch.randint(0, 2 ** bits, (5, 3, n))
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 3, packed_nbytes(n, bits))
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+def test_vllm_byte_layouts():
+    # 4-bit: even coordinate in the low nibble
+    assert pack_bits(torch.tensor([0x3, 0xA]), 4).tolist() == [0xA3]
+    # 3-bit: eight codes as one little-endian 24-bit word, code i at bit 3i
+    codes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0])
+    word = sum(int(c) << (3 * i) for i, c in enumerate(codes))
+    assert pack_bits(codes, 3).tolist() == [word & 0xFF, (word >> 8) & 0xFF, word >> 16]
+    assert packed_nbytes(128, 3) == 48 and packed_nbytes(128, 4) == 64
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="bit width"):
+        pack_bits(torch.zeros(8, dtype=torch.int64), 5)
+    with pytest.raises(TypeError):
+        pack_bits(torch.zeros(8), 4)
+    with pytest.raises(ValueError, match="need"):
+        unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 8)

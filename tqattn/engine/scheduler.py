@@ -1,0 +1,233 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Each step fills a token budget in this order: one token for every running sequence that is
+generating (decodes), the next chunk of running sequences still prefilling, then new requests
+from the waiting queue (first come, first served). When a running sequence needs a block and
+none is free, the most recently arrived running sequence is preempted: its blocks are freed and it
+goes to the front of the waiting queue, to recompute prompt + output when readmitted.
+
+The sampling params object is opaque; these attributes are read when present:
+max_tokens (None: up to max_model_len), ignore_eos, stop_token_ids, min_tokens.
+Stop strings belong to the detokenizing layer, which calls `finish`.
+"""
+
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager, _cdiv
+from .config import SchedulerConfig
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_scheduled_tokens: int
+    is_decode: bool  # one token of a generating sequence
+    num_computed_tokens: int  # position of the first scheduled token
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of seq's tokens, i.e. the step samples a token for it."""
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.num_computed_tokens:self.num_computed_tokens + self.num_scheduled_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefills
+    preempted: list[Sequence] = field(default_factory=list)  # lost their KV this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(s.is_decode for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 eos_token_ids: int | Iterable[int] = ()):
+        if block_manager.block_size != config.block_size:
+            raise ValueError(f"block manager block_size ({block_manager.block_size}) != config block_size ({config.block_size})")
+        if block_manager.enable_prefix_caching != config.enable_prefix_caching:
+            raise ValueError("block manager and config disagree on enable_prefix_caching")
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[Hashable, Sequence] = {}  # unfinished ones
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; raise ValueError if it could never run under this config."""
+        cfg, bm = self.config, self.block_manager
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"a request with id {seq.seq_id!r} is already queued or running")
+        n_prompt, max_len = seq.num_prompt_tokens, cfg.max_model_len
+        max_tokens = getattr(seq.sampling_params, "max_tokens", None)
+        if max_tokens is None:
+            if n_prompt >= max_len:
+                raise ValueError(f"request {seq.seq_id!r}: prompt has {n_prompt} tokens, max_model_len is {max_len}, "
+                                 f"leaving no room to generate; shorten the prompt or raise max_model_len")
+            max_tokens = max_len - n_prompt
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"request {seq.seq_id!r}: max_tokens must be a positive integer, got {max_tokens!r}")
+        if n_prompt + max_tokens > max_len:
+            raise ValueError(f"request {seq.seq_id!r}: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = "
+                             f"{n_prompt + max_tokens} exceeds max_model_len={max_len}; shorten the prompt, "
+                             f"lower max_tokens or raise max_model_len")
+        # The last sampled token is never fed back, so at most this many tokens need K/V.
+        max_kv_tokens = n_prompt + max_tokens - 1
+        if not cfg.enable_chunked_prefill and max_kv_tokens > cfg.max_num_batched_tokens:
+            # A preempted request recomputes prompt + output, in one step when chunking is off.
+            raise ValueError(f"request {seq.seq_id!r}: with chunked prefill disabled, prompt ({n_prompt} tokens) + "
+                             f"max_tokens ({max_tokens}) - 1 = {max_kv_tokens} must fit max_num_batched_tokens="
+                             f"{cfg.max_num_batched_tokens}; enable chunked prefill, raise max_num_batched_tokens "
+                             f"or lower max_tokens")
+        need = _cdiv(max_kv_tokens, cfg.block_size)
+        for g, n_blocks in enumerate(bm.num_blocks):
+            if need > n_blocks:
+                raise ValueError(f"request {seq.seq_id!r}: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) needs "
+                                 f"{need} KV blocks of {cfg.block_size} tokens, but KV-cache group {g} has only "
+                                 f"{n_blocks}; give the KV cache more memory or lower max_tokens/max_model_len")
+        seq.max_tokens = max_tokens
+        seq.status = SequenceStatus.WAITING
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    @staticmethod
+    def _is_decode(seq: Sequence) -> bool:
+        return seq.num_output_tokens > 0 and seq.num_uncomputed_tokens == 1
+
+    def schedule(self) -> SchedulerOutput:
+        cfg, bm = self.config, self.block_manager
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+
+        # Running sequences: decodes, then continuing prefills.
+        order = ([s for s in self.running if self._is_decode(s)]
+                 + [s for s in self.running if not self._is_decode(s)])
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            is_decode = self._is_decode(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_allocate(seq, n):
+                victim = max(self.running, key=lambda s: s.arrival)
+                budget += self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                bm.allocate_slots(seq, n)
+                out.scheduled.append(ScheduledSeq(seq, n, is_decode, seq.num_computed_tokens))
+                budget -= n
+
+        # Waiting sequences, FCFS; none right after a preemption, which would only thrash.
+        while self.waiting and budget and len(self.running) < cfg.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            cached = bm.get_computed_blocks(seq)
+            remaining = seq.num_tokens - cached
+            n = min(remaining, budget)
+            if n < remaining and not cfg.enable_chunked_prefill:
+                break
+            if not bm.allocate_slots(seq, n, cached):
+                if not self.running:  # add() rules this out; never spin on an empty batch
+                    raise RuntimeError(f"seq {seq.seq_id!r} cannot get {_cdiv(seq.num_tokens, cfg.block_size)} "
+                                       f"blocks from an idle KV cache of {bm.num_blocks} blocks")
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, False, cached))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Send a running seq back to the front of the waiting queue; return the budget it held."""
+        self.running.remove(seq)
+        refund = 0
+        for i, s in enumerate(out.scheduled):
+            if s.seq is seq:
+                refund = out.scheduled.pop(i).num_scheduled_tokens
+                break
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        return refund
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[Hashable, int | None]) -> list[Sequence]:
+        """Advance the scheduled sequences after the model ran; return those that finished."""
+        finished = []
+        for s in scheduler_output.scheduled:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:  # finished/aborted since schedule()
+                continue
+            if seq.num_computed_tokens != s.num_computed_tokens:
+                raise RuntimeError(f"seq {seq.seq_id!r} was already updated for this scheduler output")
+            seq.num_computed_tokens += s.num_scheduled_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:  # mid-prompt chunk: nothing sampled
+                continue
+            token = sampled_token_ids.get(seq.seq_id)
+            if token is None:
+                raise ValueError(f"no sampled token for seq {seq.seq_id!r}, whose chunk reached its last token")
+            seq.append_token(token)
+            status = self._stop_status(seq, token)
+            if status is not None:
+                self._finish(seq, status)
+                finished.append(seq)
+        return finished
+
+    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        sp = seq.sampling_params
+        if seq.num_output_tokens >= (getattr(sp, "min_tokens", 0) or 0):
+            if ((token in self.eos_token_ids and not getattr(sp, "ignore_eos", False))
+                    or token in (getattr(sp, "stop_token_ids", None) or ())):
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= seq.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        del self.seqs[seq.seq_id]
+
+    def finish(self, seq_id: Hashable, status: SequenceStatus = SequenceStatus.FINISHED_STOPPED) -> bool:
+        """Finish a request from outside (stop string, abort); False if it is not live."""
+        if not status.is_finished:
+            raise ValueError(f"finish needs a FINISHED_* status, got {status.name}")
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, status)
+        return True
+
+    def abort(self, seq_id: Hashable) -> bool:
+        return self.finish(seq_id, SequenceStatus.FINISHED_ABORTED)

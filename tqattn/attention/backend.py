@@ -14,11 +14,14 @@ Token batches are flattened: T tokens of B requests, decodes first, request b ow
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+
+from . import fa_utils
 
 
 @dataclass(frozen=True)
@@ -66,12 +69,36 @@ class CommonAttentionMetadata:
     block_size: int = 16
 
 
-class AttentionImpl(ABC):
-    """One layer's attention on one backend."""
+AUTO = "auto"
 
-    def __init__(self, spec: AttentionLayerSpec, *, fa_version: int | None = None):
+
+def choose_fa_version(spec: AttentionLayerSpec) -> int | None:
+    """The FlashAttention version a layer's prefill uses, chosen once and logged once.
+
+    :func:`~tqattn.attention.fa_utils.get_flash_attn_version` decides from the device and the
+    head size; FA kernels take only fp16/bf16, so an fp32 layer runs torch SDPA (logged once).
+    """
+    version = fa_utils.get_flash_attn_version(spec.head_size, spec.alibi)
+    if version is not None and spec.dtype not in (torch.float16, torch.bfloat16):
+        fa_utils._log_once(logging.INFO, ("fa_dtype", spec.dtype),
+                           "FlashAttention takes fp16/bf16 only; %s layers run torch SDPA",
+                           spec.dtype)
+        version = None
+    return version
+
+
+class AttentionImpl(ABC):
+    """One layer's attention on one backend.
+
+    ``fa_version`` is the FlashAttention version every prefill call of this layer passes to
+    :func:`~tqattn.attention.fa_utils.flash_attn_varlen`: ``"auto"`` (default) chooses it here
+    with :func:`choose_fa_version`; an int or None (= torch SDPA) forces it.
+    """
+
+    def __init__(self, spec: AttentionLayerSpec, *, fa_version: int | None | str = AUTO):
         self.spec = spec
-        self.fa_version = fa_version
+        self.fa_version = choose_fa_version(spec) if fa_version == AUTO else fa_version
+        fa_utils.log_fa_choice(spec.name, self.fa_version)
 
     @abstractmethod
     def store(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -1,0 +1,69 @@
+"""Both backends on the GPU at bf16: the CUDA paths (FlashAttention as chosen for the device,
+the Triton kernels) against the same plain-PyTorch references as the CPU tests."""
+
+import pytest
+import torch
+
+from tqattn.attention import fa_utils
+
+from . import test_flash_attn as fa_tests
+from . import test_turboquant as tq_tests
+from .batch_utils import spec
+
+pytestmark = pytest.mark.gpu
+
+BIG_MIXED = [(300, 1), (1000, 1), (64, 1), (500, 40), (0, 700), (700, 300), (0, 3), (37, 129)]
+
+
+@pytest.mark.parametrize("reqs", [fa_tests.PREFILLS, fa_tests.MIXED, BIG_MIXED])
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (64, 0.0), (None, 20.0)])
+def test_flash_attn_backend_cuda(reqs, window, softcap):
+    s = spec(hq=8, hk=2, d=128, dtype=torch.bfloat16, window=window, softcap=softcap)
+    out, ref, _, _, impl = fa_tests.run_step(s, reqs, fa_version="auto", device="cuda")
+    assert impl.fa_version == fa_utils.get_flash_attn_version(128)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_k8v4", "tq_k3v4"])
+@pytest.mark.parametrize("reqs", [tq_tests.MIXED, tq_tests.UNORDERED, BIG_MIXED])
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (64, 20.0)])
+def test_turboquant_backend_cuda(preset, reqs, window, softcap):
+    s = spec(hq=8, hk=2, d=128, dtype=torch.bfloat16, kv=preset, window=window, softcap=softcap)
+    out, ref, *_ = tq_tests.run_step(s, reqs, fa_version="auto", device="cuda")
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kv", ["auto", "turboquant_4bit_nc"])
+def test_forward_has_no_host_sync(kv):
+    """A mixed batch (decodes, short and long continuations, a fresh prompt) captured in a CUDA
+    graph — impossible if forward synchronised with the host — replays the eager result."""
+    from tqattn.attention.selector import build_attention_layers, build_metadata_builders
+
+    from .batch_utils import make_batch, num_blocks
+
+    s = spec(hq=8, hk=2, d=128, dtype=torch.bfloat16, kv=kv, window=64)
+    layer = build_attention_layers([s])[0]
+    builder = build_metadata_builders([layer], "cuda")[0]
+    batch = make_batch(BIG_MIXED, device="cuda")
+    nblk = num_blocks(batch)
+    cache = torch.zeros(layer.backend.kv_cache_shape(nblk, 16, s),
+                        dtype=layer.backend.kv_cache_torch_dtype(s), device="cuda")
+    fill = torch.randn(2, nblk * 16, 2, 128, device="cuda", dtype=torch.bfloat16)
+    layer.impl.store(fill[0], fill[1], cache, type("M", (), {
+        "num_actual_tokens": nblk * 16, "slot_mapping": torch.arange(nblk * 16, device="cuda")}))
+    n = batch.common.num_actual_tokens
+    q = torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, n, 2, 128, device="cuda", dtype=torch.bfloat16)
+    md = builder.build(batch.common)
+    eager = layer.impl.forward(q, k, v, cache, md)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer.impl.forward(q, k, v, cache, md)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer.impl.forward(q, k, v, cache, md)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager)

@@ -1,0 +1,97 @@
+import pytest
+import torch
+
+from tqattn.attention import selector
+from tqattn.attention.flash_attn import FlashAttentionBackend
+from tqattn.attention.selector import (build_attention_layers, describe_plan,
+                                       resolve_kv_cache_dtypes)
+from tqattn.attention.turboquant import TurboQuantBackend
+
+from .batch_utils import spec
+
+P = "turboquant_k3v4_nc"
+FULL = [None] * 8
+GEMMA = [8, 8, 8, None, 8, 8, 8, None]  # local, local, local, global, ...
+
+
+def fp_layers(dtypes):
+    return [i for i, d in enumerate(dtypes) if d == "auto"]
+
+
+def test_default_keeps_every_layer_on_the_preset():
+    assert selector.DEFAULT_BOUNDARY_LAYERS == 0
+    assert resolve_kv_cache_dtypes(8, FULL, P) == [P] * 8
+
+
+def test_skip_indices_ints_and_numeric_strings():
+    dtypes = resolve_kv_cache_dtypes(8, FULL, P, skip_layers=[0, "3", " 7 "])
+    assert fp_layers(dtypes) == [0, 3, 7]
+    assert dtypes[1] == P
+
+
+def test_skip_sliding_window_layers():
+    assert fp_layers(resolve_kv_cache_dtypes(8, GEMMA, P, ["sliding_window"])) == [0, 1, 2, 4, 5, 6]
+    assert fp_layers(resolve_kv_cache_dtypes(8, GEMMA, P, "sliding_window")) == [0, 1, 2, 4, 5, 6]
+    assert fp_layers(resolve_kv_cache_dtypes(8, FULL, P, ["sliding_window"])) == []
+
+
+@pytest.mark.parametrize("n,expect", [(1, [0, 7]), (2, [0, 1, 6, 7]), (4, list(range(8))),
+                                      (100, list(range(8)))])
+def test_boundary_layers(n, expect):
+    assert fp_layers(resolve_kv_cache_dtypes(8, FULL, P, boundary_layers=n)) == expect
+
+
+def test_boundary_default_is_the_module_constant(monkeypatch):
+    monkeypatch.setattr(selector, "DEFAULT_BOUNDARY_LAYERS", 2)
+    assert fp_layers(resolve_kv_cache_dtypes(8, FULL, P)) == [0, 1, 6, 7]
+    assert fp_layers(resolve_kv_cache_dtypes(8, FULL, P, boundary_layers=0)) == []
+
+
+def test_rules_combine():
+    dtypes = resolve_kv_cache_dtypes(8, GEMMA, P, ["sliding_window", 3], boundary_layers=1)
+    assert fp_layers(dtypes) == [0, 1, 2, 3, 4, 5, 6, 7]
+    dtypes = resolve_kv_cache_dtypes(8, GEMMA, P, ["sliding_window"], boundary_layers=1)
+    assert dtypes[3] == P and fp_layers(dtypes) == [0, 1, 2, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("entry,match", [
+    (8, r"entry 8 is out of range for a model with 8 layers; allowed: a layer index 0\.\.7"),
+    (-1, "entry -1 is out of range"),
+    ("12", "entry '12' is out of range"),
+    ("sliding", r"entry 'sliding' is not understood; allowed: .*'sliding_window'"),
+    ("1.5", "entry '1.5' is not understood"),
+    (True, "entry True is not understood"),
+    (None, "entry None is not understood"),
+])
+def test_bad_skip_entries(entry, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_kv_cache_dtypes(8, FULL, P, [entry])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="kv_cache_boundary_layers must be an int >= 0"):
+        resolve_kv_cache_dtypes(8, FULL, P, boundary_layers=-1)
+    with pytest.raises(ValueError, match="sliding_windows has 7 entries for 8 layers"):
+        resolve_kv_cache_dtypes(8, FULL[:7], P)
+    with pytest.raises(ValueError, match="num_layers"):
+        resolve_kv_cache_dtypes(0, [], P)
+
+
+def test_layers_groups_and_plan():
+    dtypes = resolve_kv_cache_dtypes(4, [None] * 4, P, boundary_layers=1)
+    specs = [spec(i, hq=4, hk=2, d=64, dtype=torch.bfloat16, kv=kv) for i, kv in enumerate(dtypes)]
+    layers = build_attention_layers(specs, block_size=16)
+    assert [l.backend for l in layers] == [FlashAttentionBackend, TurboQuantBackend,
+                                          TurboQuantBackend, FlashAttentionBackend]
+    assert [l.group for l in layers] == [0, 1, 1, 0]
+    plan = describe_plan(layers, 16)
+    assert plan["backends"] == {"FLASH_ATTN": 2, "TURBOQUANT": 2}
+    bf16 = 2 * 2 * 64 * 2                       # K and V, 2 KV heads, 64 dims, 2 bytes
+    tq = 2 * TurboQuantBackend.page_bytes(16, specs[1]) // 16
+    assert plan["bytes_per_token"] == 2 * bf16 + tq
+    assert plan["bf16_bytes_per_token"] == 4 * bf16
+    assert plan["capacity_vs_bf16"] == pytest.approx(4 * bf16 / (2 * bf16 + tq))
+    assert plan["groups"][1]["layers"] == [1, 2]
+    # A head size of its own makes a group of its own.
+    specs.append(spec(4, hq=4, hk=2, d=32, dtype=torch.bfloat16, kv=P))
+    assert build_attention_layers(specs)[-1].group == 2

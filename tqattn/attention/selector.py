@@ -1,0 +1,136 @@
+"""Per-layer routing: each layer's KV-cache dtype, backend and KV-cache group.
+
+A layer's KV dtype is the engine's ``kv_cache_dtype`` unless the layer is skipped, which keeps
+it at full precision ("auto", the model dtype) on FlashAttention:
+
+* ``kv_cache_dtype_skip_layers`` entries: a layer index (int, or a numeric string as vLLM's
+  config passes them) or the word ``"sliding_window"`` (every sliding-window layer);
+* boundary layers: the first and last ``kv_cache_boundary_layers`` layers. vLLM always keeps 2
+  (and cannot turn it off); here it is a setting, :data:`DEFAULT_BOUNDARY_LAYERS` by default,
+  to be set from the accuracy measurements.
+
+Layers whose caches have the same spec (backend, KV dtype, per-block shape and bytes) share a
+KV-cache group; each group gets one metadata builder.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from .backend import AttentionLayer, AttentionLayerSpec, AttentionMetadataBuilder
+from .registry import select_backend
+
+DEFAULT_BOUNDARY_LAYERS = 0
+SLIDING_WINDOW = "sliding_window"
+FULL_PRECISION = "auto"
+
+
+def _parse_skip_entry(entry, num_layers: int) -> int | str:
+    allowed = (f"allowed: a layer index 0..{num_layers - 1} (int or numeric string) "
+               f"or {SLIDING_WINDOW!r}")
+    if isinstance(entry, str):
+        word = entry.strip()
+        if word == SLIDING_WINDOW:
+            return word
+        if not word.lstrip("-").isdigit():
+            raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} is not understood; "
+                             f"{allowed}")
+        index = int(word)
+    elif isinstance(entry, int) and not isinstance(entry, bool):
+        index = entry
+    else:
+        raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} is not understood; {allowed}")
+    if not 0 <= index < num_layers:
+        raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} is out of range for a model "
+                         f"with {num_layers} layers; {allowed}")
+    return index
+
+
+def boundary_layer_indices(num_layers: int, boundary_layers: int) -> set[int]:
+    """First and last ``boundary_layers`` indices (all layers when they overlap)."""
+    n = min(boundary_layers, num_layers)
+    return set(range(n)) | set(range(num_layers - n, num_layers))
+
+
+def resolve_kv_cache_dtypes(num_layers: int, sliding_windows: Sequence[int | None],
+                            kv_cache_dtype: str, skip_layers: Iterable[int | str] = (),
+                            boundary_layers: int | None = None) -> list[str]:
+    """The KV-cache dtype of every layer: ``kv_cache_dtype``, or "auto" for skipped layers."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    if len(sliding_windows) != num_layers:
+        raise ValueError(f"sliding_windows has {len(sliding_windows)} entries for "
+                         f"{num_layers} layers")
+    if boundary_layers is None:
+        boundary_layers = DEFAULT_BOUNDARY_LAYERS
+    if (isinstance(boundary_layers, bool) or not isinstance(boundary_layers, int)
+            or boundary_layers < 0):
+        raise ValueError(f"kv_cache_boundary_layers must be an int >= 0, got {boundary_layers!r}")
+    if isinstance(skip_layers, (str, int)):
+        skip_layers = [skip_layers]  # a lone "sliding_window" or index, not its characters
+    entries = {_parse_skip_entry(e, num_layers) for e in skip_layers}
+
+    skipped = {e for e in entries if isinstance(e, int)}
+    if SLIDING_WINDOW in entries:
+        skipped |= {i for i, w in enumerate(sliding_windows) if w is not None}
+    skipped |= boundary_layer_indices(num_layers, boundary_layers)
+    return [FULL_PRECISION if i in skipped else kv_cache_dtype for i in range(num_layers)]
+
+
+def _cache_spec_key(layer_backend, spec: AttentionLayerSpec, block_size: int) -> tuple:
+    return (layer_backend.name, spec.kv_cache_dtype, layer_backend.kv_cache_torch_dtype(spec),
+            tuple(layer_backend.kv_cache_shape(1, block_size, spec)),
+            layer_backend.page_bytes(block_size, spec))
+
+
+def build_attention_layers(specs: Sequence[AttentionLayerSpec], block_size: int = 16, *,
+                           backend: str | None = None) -> list[AttentionLayer]:
+    """Bind every layer to its backend (from the registry) and a KV-cache group.
+
+    ``backend`` forces one backend by name for every layer (an error for a layer it can't run).
+    Groups are numbered in order of first appearance.
+    """
+    layers, groups = [], {}
+    for spec in specs:
+        cls = select_backend(spec, backend)
+        group = groups.setdefault(_cache_spec_key(cls, spec, block_size), len(groups))
+        layers.append(AttentionLayer(spec=spec, backend=cls, impl=cls.impl_cls(spec), group=group))
+    return layers
+
+
+def build_metadata_builders(layers: Sequence[AttentionLayer],
+                            device: torch.device | str) -> list[AttentionMetadataBuilder]:
+    """One metadata builder per KV-cache group (index = group), each given every layer's impl."""
+    impls = {layer.spec.name: layer.impl for layer in layers}
+    first_of_group = {}
+    for layer in layers:
+        first_of_group.setdefault(layer.group, layer)
+    return [first_of_group[g].backend.builder_cls(impls, torch.device(device))
+            for g in sorted(first_of_group)]
+
+
+def describe_plan(layers: Sequence[AttentionLayer], block_size: int) -> dict:
+    """A summary of the per-layer plan for the engine to log once.
+
+    ``bytes_per_token`` sums the cache bytes of one token over all layers;
+    ``capacity_vs_bf16`` is how many more tokens fit than in an all-bf16 cache of the same size.
+    """
+    bytes_per_token = sum(l.backend.page_bytes(block_size, l.spec) for l in layers) / block_size
+    bf16_bytes = sum(2 * l.spec.num_kv_heads * l.spec.head_size * 2 for l in layers)
+    groups = {}
+    for l in layers:
+        g = groups.setdefault(l.group, {"group": l.group, "backend": l.backend.name,
+                                        "kv_cache_dtype": l.spec.kv_cache_dtype, "layers": []})
+        g["layers"].append(l.spec.layer_idx)
+    return {
+        "num_layers": len(layers),
+        "backends": dict(Counter(l.backend.name for l in layers)),
+        "kv_cache_dtypes": dict(Counter(l.spec.kv_cache_dtype for l in layers)),
+        "groups": [groups[g] for g in sorted(groups)],
+        "bytes_per_token": bytes_per_token,
+        "bf16_bytes_per_token": bf16_bytes,
+        "capacity_vs_bf16": bf16_bytes / bytes_per_token if bytes_per_token else float("inf"),
+    }

@@ -69,6 +69,64 @@ def cmd_env(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    import time
+
+    from .engine.llm import LLM
+    from .engine.llm_engine import format_plan
+    from .engine.sampling import SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
+              kv_cache_boundary_layers=args.kv_cache_boundary_layers,
+              max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              load_format=args.load_format, seed=args.seed, device=args.device,
+              enforce_eager=args.enforce_eager)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.seed if args.temperature > 0 else None)
+    if args.token_ids:
+        prompts = [{"prompt_token_ids": _token_ids(p)} for p in args.prompt]
+    elif not args.no_chat and getattr(llm.tokenizer, "chat_template", None):
+        prompts = [{"prompt": p, "prompt_token_ids": llm._encode_chat(llm.apply_chat_template(
+            [{"role": "user", "content": p}]))} for p in args.prompt]
+    else:
+        prompts = list(args.prompt)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.json and len(prompts) > 1)
+    end = time.perf_counter()
+
+    first = max(o.metrics.first_token_time for o in outputs)
+    n_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    n_decode = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
+    timings = {"load_s": engine.load_time, "generate_s": end - start, "prefill_s": first - start,
+               "prefill_tok_s": n_prompt / max(first - start, 1e-9),
+               "decode_s": end - first, "decode_tok_s": n_decode / max(end - first, 1e-9)}
+    if args.json:
+        print(json.dumps({
+            "model": engine.loaded.name, "device": str(engine.device), "dtype": str(engine.loaded.dtype),
+            "kv_cache_dtype": args.kv_cache_dtype, "cache_plan": engine.plan, "timings": timings,
+            "outputs": [{"prompt": p if isinstance(p, str) else p.get("prompt"),
+                         "prompt_token_ids": o.prompt_token_ids, "token_ids": o.outputs[0].token_ids,
+                         "text": o.outputs[0].text, "finish_reason": o.outputs[0].finish_reason}
+                        for p, o in zip(args.prompt, outputs)]}, indent=1))
+        return 0
+    print(format_plan(engine.plan))
+    print(f"load {timings['load_s']:.1f} s, prefill {timings['prefill_tok_s']:.1f} tok/s, "
+          f"decode {timings['decode_tok_s']:.1f} tok/s")
+    for p, o in zip(args.prompt, outputs):
+        c = o.outputs[0]
+        print(f"\n>>> {p}\n{c.text if llm.tokenizer is not None else c.token_ids}")
+    return 0
+
+
+def _token_ids(s: str) -> list[int]:
+    try:
+        return [int(t) for t in s.replace(",", " ").split()]
+    except ValueError:
+        raise SystemExit(f"--token-ids: {s!r} is not a comma-separated list of token ids") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tqattn", description="TurboQuant KV-cache attention")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -89,6 +147,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("env", help="device, FlashAttention versions and the version chosen")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_env)
+
+    p = sub.add_parser("generate", help="generate text with a model (default: embedded SmolLM2-135M)")
+    p.add_argument("prompt", nargs="+", help="prompt text (chat-formatted when the model has a template)")
+    p.add_argument("--model", default="default",
+                   help="HF model dir, .gguf file, shipped config name (with --load-format dummy), "
+                        "or 'default' (SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="'auto' or a preset (see `tqattn presets`)")
+    p.add_argument("--kv-cache-dtype-skip-layers", default=[], type=_skip_layers,
+                   help="comma-separated layer indices and/or 'sliding_window' kept full precision")
+    p.add_argument("--kv-cache-boundary-layers", type=int, default=None,
+                   help="keep the first and last N layers full precision (default: the selector's)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy", "gguf", "safetensors"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-chat", action="store_true", help="send prompts as plain text, no chat template")
+    p.add_argument("--token-ids", action="store_true",
+                   help="each PROMPT is a comma-separated list of token ids (models without a tokenizer)")
+    p.add_argument("--json", action="store_true", help="print tokens, text, timings and the cache plan as JSON")
+    p.set_defaults(func=cmd_generate)
     return ap
 
 
@@ -100,6 +183,10 @@ def _head_dim(s: str) -> int:
     if d < 8 or d % 2:
         raise argparse.ArgumentTypeError(f"head size {d} not supported: need an even integer >= 8")
     return d
+
+
+def _skip_layers(s: str) -> list[int | str]:
+    return [int(x) if x.strip().lstrip("-").isdigit() else x.strip() for x in s.split(",") if x.strip()]
 
 
 def _preset_name(s: str) -> str:

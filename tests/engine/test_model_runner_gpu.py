@@ -1,0 +1,46 @@
+"""On a CUDA GPU: decode through CUDA graphs equals eager decode; memory-utilization sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tqattn import LLM, SamplingParams  # noqa: E402
+
+from .test_llm_reference import random_prompts  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+COMMON = dict(load_format="dummy", max_model_len=256, max_num_seqs=8, dtype="float32", device="cuda",
+              kv_cache_memory_bytes=64 << 20)
+
+
+def _run(llm):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 17, 40, 64, 9, 100])]
+    # different lengths, so the decode batch shrinks through several graph buckets
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 5, 12, 20, 8, 16)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name,preset", [("qwen3-tiny", "turboquant_k3v4_nc"), ("gemma3-tiny", "tq_k3v4")])
+def test_cudagraph_decode_equals_eager(name, preset):
+    eager = LLM(name, kv_cache_dtype=preset, enforce_eager=True, **COMMON)
+    graphs = LLM(name, kv_cache_dtype=preset, **COMMON)
+    runner = graphs.llm_engine.runner
+    assert sorted(runner.graphs) == [1, 2, 4, 8] and not eager.llm_engine.runner.graphs
+    replays = []
+    replay = runner._replay
+    runner._replay = lambda scheduled: replays.append(len(scheduled)) or replay(scheduled)
+    assert _run(graphs) == _run(eager)
+    assert set(replays) >= {1, 2, 6}
+
+
+def test_flash_attn_layers_run_eagerly_and_memory_profile():
+    llm = LLM("llama-tiny", load_format="dummy", max_model_len=256, max_num_seqs=8, device="cuda",
+              gpu_memory_utilization=0.5)
+    assert not llm.llm_engine.runner.graphs  # FLASH_ATTN's decode is not graph-safe
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < llm.kv_cache_plan["cache_bytes"] < 0.5 * total
+    assert len(_run(llm)) == 6

@@ -1,0 +1,278 @@
+"""The engine: model + per-layer KV-cache plan + scheduler + model runner; add_request/step/abort."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tqattn.attention.backend import AttentionLayerSpec
+from tqattn.attention.selector import build_attention_layers, describe_plan, resolve_kv_cache_dtypes
+from tqattn.models import load_model
+from tqattn.models.hf_attention import use_tqattn
+from tqattn.quant.presets import PRESETS
+
+from .block_manager import BlockManager
+from .config import SchedulerConfig
+from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks, kv_cache_groups
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling import SamplingParams, make_generator
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+_FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
+                   SequenceStatus.FINISHED_ABORTED: "abort"}
+
+
+@dataclass(kw_only=True)
+class EngineArgs:
+    model: str = "default"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    kv_cache_dtype_skip_layers: list[int | str] = field(default_factory=list)
+    kv_cache_boundary_layers: int | None = None  # None: the selector's default
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    device: str | None = None  # None: cuda if available, else cpu
+    enforce_eager: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {list(_DTYPES)}")
+        allowed = ["auto", "bfloat16", "float16", "float32", *PRESETS]
+        if self.kv_cache_dtype not in allowed:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not known; use 'auto' or one "
+                             f"of the presets: {', '.join(PRESETS)} (see `tqattn presets`)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+        if isinstance(self.kv_cache_dtype_skip_layers, (str, int)):
+            self.kv_cache_dtype_skip_layers = [self.kv_cache_dtype_skip_layers]
+        self.kv_cache_dtype_skip_layers = list(self.kv_cache_dtype_skip_layers or [])
+
+
+@dataclass
+class _Request:
+    request_id: Hashable
+    prompt: str | None
+    seq: Sequence
+    params: SamplingParams
+    metrics: RequestMetrics
+    generator: torch.Generator | None = None
+    text: str = ""
+    stop_string: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        t0 = time.perf_counter()
+        loaded = self.loaded = load_model(args.model, dtype=args.dtype, load_format=args.load_format,
+                                          device=self.device, seed=args.seed,
+                                          max_model_len=args.max_model_len)
+        self.tokenizer = loaded.tokenizer
+        self.model_info = loaded.info
+        use_tqattn(loaded.model)
+        self.layers = self._attention_layers()
+        config = SchedulerConfig(
+            max_model_len=loaded.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size)
+        groups = kv_cache_groups(self.layers, args.block_size)
+        self.runner = ModelRunner(loaded.model, self.layers, groups, args.block_size, self.device, args.seed)
+        num_blocks = self._num_blocks(sum(g.page_bytes for g in groups), loaded.max_model_len)
+        self.kv_cache_config = KVCacheConfig(args.block_size, num_blocks, groups)
+        self.runner.allocate_kv_cache(num_blocks)
+        if self.device.type == "cuda" and not args.enforce_eager:
+            self.runner.capture_cudagraphs(args.max_num_seqs, loaded.max_model_len)
+
+        self.block_manager = BlockManager([num_blocks] * len(groups), args.block_size,
+                                          args.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self._eos_token_ids())
+        self.requests: dict[Hashable, _Request] = {}
+        self.plan = describe_plan(self.layers, args.block_size)
+        self.plan.update(num_blocks=num_blocks, block_size=args.block_size,
+                         cache_tokens=self.kv_cache_config.num_tokens,
+                         cache_bytes=self.kv_cache_config.total_bytes,
+                         bf16_cache_tokens=self.kv_cache_config.total_bytes // bf16_bytes_per_token(self.layers))
+        self.load_time = time.perf_counter() - t0
+        logger.info("%s", format_plan(self.plan))
+
+    def _attention_layers(self):
+        """Each layer's spec from the HF config, its KV dtype from the routing, its backend."""
+        args, info = self.args, self.model_info
+        dtypes = resolve_kv_cache_dtypes(info.num_layers, info.sliding_windows, args.kv_cache_dtype,
+                                         args.kv_cache_dtype_skip_layers, args.kv_cache_boundary_layers)
+        specs = [AttentionLayerSpec(
+            layer_idx=i, num_heads=info.num_q_heads, num_kv_heads=info.num_kv_heads,
+            head_size=info.head_dim, scale=info.scaling, dtype=self.loaded.dtype,
+            kv_cache_dtype=dtypes[i], sliding_window=info.sliding_windows[i],
+            logits_soft_cap=info.attn_logit_softcapping or 0.0) for i in range(info.num_layers)]
+        try:
+            return build_attention_layers(specs, args.block_size)
+        except ValueError as e:
+            raise ValueError(f"model {self.loaded.name} (head size {info.head_dim}) cannot use "
+                             f"kv_cache_dtype={args.kv_cache_dtype!r}: {e}; pick another preset "
+                             f"(see `tqattn presets`) or kv_cache_dtype='auto'") from e
+
+    def _num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
+        args = self.args
+        available = None
+        if (self.device.type == "cuda" and args.kv_cache_memory_bytes is None
+                and args.num_gpu_blocks_override is None):
+            available = self.runner.profile_free_memory(
+                args.gpu_memory_utilization, args.max_num_batched_tokens, max_model_len)
+        return determine_num_blocks(
+            bytes_per_block, args.block_size, max_model_len,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes, available_bytes=available,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            max_useful_blocks=args.max_num_seqs * -(-max_model_len // args.block_size))
+
+    def _eos_token_ids(self) -> list[int]:
+        # generation_config is what transformers' generate stops on; the model config otherwise.
+        eos = self.loaded.config.eos_token_id
+        gen_eos = getattr(getattr(self.loaded.model, "generation_config", None), "eos_token_id", None)
+        eos = gen_eos if gen_eos is not None else eos
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} instead of text")
+        return list(self.tokenizer.encode(prompt))
+
+    def add_request(self, request_id: Hashable, prompt: str | dict | list[int],
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        text = None
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            token_ids, text = list(prompt["prompt_token_ids"]), prompt.get("prompt")
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            text = prompt["prompt"]
+            token_ids = self.encode(text)
+        else:
+            raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        vocab = self.model_info.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: prompt token ids {bad[:5]} are not in [0, {vocab})")
+        if not token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if request_id in self.requests:
+            raise ValueError(f"a request with id {request_id!r} is already running")
+        seq = Sequence(token_ids, params, seq_id=request_id)
+        self.scheduler.add(seq)  # validates lengths against max_model_len and the cache
+        self.requests[request_id] = _Request(
+            request_id, text, seq, params, RequestMetrics(arrival_time=time.perf_counter()),
+            make_generator(params.seed, self.device))
+
+    def abort_request(self, request_id: Hashable) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; return the outputs of the requests that finished in it."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.perf_counter()
+        for s in out.scheduled:
+            m = self.requests[s.seq.seq_id].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        generators = {r.request_id: r.generator for r in self.requests.values() if r.generator is not None}
+        sampled = self.runner.execute_model(out.scheduled, generators)
+        finished = self.scheduler.update_from_output(out, sampled)
+        now = time.perf_counter()
+        for seq_id in sampled:
+            req = self.requests[seq_id]
+            req.metrics.first_token_time = req.metrics.first_token_time or now
+            if req.params.stop and req.stop_string is None:
+                self._check_stop_strings(req, finished)
+        outputs = []
+        for seq in finished:
+            req = self.requests.pop(seq.seq_id)
+            req.metrics.finished_time = now
+            outputs.append(self._output(req))
+        return outputs
+
+    def _decode(self, req: _Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(req.seq.output_token_ids,
+                                     skip_special_tokens=req.params.skip_special_tokens)
+
+    def _check_stop_strings(self, req: _Request, finished: list[Sequence]) -> None:
+        text = self._decode(req)
+        # Only the new tail can hold a stop string that was not there before.
+        start = max(0, len(req.text) - max(len(s) for s in req.params.stop))
+        req.text = text
+        hits = [(i, s) for s in req.params.stop if (i := text.find(s, start)) >= 0]
+        if not hits:
+            return
+        idx, stop = min(hits)
+        req.text, req.stop_string = text[:idx], stop
+        if self.scheduler.finish(req.request_id):  # still running: finish it now
+            finished.append(req.seq)
+        req.seq.status = SequenceStatus.FINISHED_STOPPED
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        text = req.text if req.stop_string is not None else self._decode(req)
+        m = req.metrics
+        m.num_preemptions, m.num_cached_tokens = seq.num_preemptions, seq.num_cached_tokens
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=seq.output_token_ids,
+            finish_reason=_FINISH_REASONS.get(seq.status),
+            stop_reason=req.stop_string if req.stop_string is not None else seq.stop_reason)
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt,
+                             prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
+                             finished=True, metrics=m)
+
+
+def format_plan(plan: dict) -> str:
+    """A few human lines describing the per-layer KV-cache plan."""
+    backends = ", ".join(f"{n} x{c}" for n, c in plan["backends"].items())
+    dtypes = ", ".join(f"{d} x{c}" for d, c in plan["kv_cache_dtypes"].items())
+    lines = [f"KV-cache plan: {plan['num_layers']} layers: {backends}; kv_cache_dtype: {dtypes}"]
+    for g in plan["groups"]:
+        lines.append(f"  group {g['group']}: {g['backend']} {g['kv_cache_dtype']} layers {g['layers']}")
+    lines.append(f"  {plan['bytes_per_token']:.1f} bytes/token (bf16: {plan['bf16_bytes_per_token']}), "
+                 f"{plan['capacity_vs_bf16']:.2f}x the tokens of bf16; cache: {plan['num_blocks']} blocks "
+                 f"x {plan['block_size']} = {plan['cache_tokens']} tokens in {plan['cache_bytes'] / 2**20:.1f} MiB "
+                 f"(bf16 would hold {plan['bf16_cache_tokens']})")
+    return "\n".join(lines)

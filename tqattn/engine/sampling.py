@@ -1,0 +1,117 @@
+"""Sampling parameters of a request and the sampler that turns logits into token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick a request's tokens (vLLM's names). temperature 0 = greedy."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0  # eos / stop tokens are ignored before this many tokens
+    stop: list[str] | str | None = None  # stop strings (the text is cut before them)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None  # per-request generator: same seed, same tokens
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 to disable it, got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Greedy / temperature / top-k / top-p sampling over a (B, V) batch of logits.
+
+    Random rows draw q ~ Exp(1) and take argmax(p / q) — a sample from p (the Gumbel-max trick
+    in exponential form) that needs no sort and lets seeded rows use their own generator.
+    """
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._generators: dict[str, torch.Generator] = {}  # device type -> engine-wide generator
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        g = self._generators.get(device.type)
+        if g is None:
+            g = self._generators[device.type] = torch.Generator(device=device).manual_seed(self.seed)
+        return g
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[int]:
+        logits = logits.float()
+        out = logits.argmax(-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            x = logits[idx]
+            temps = torch.tensor([params[i].temperature for i in rows], device=x.device)
+            x = x / temps[:, None]
+            top_k = [params[i].top_k for i in rows]
+            top_p = [params[i].top_p for i in rows]
+            if any(top_k) or any(p < 1 for p in top_p):
+                x = _top_k_top_p(x, top_k, top_p)
+            probs = torch.softmax(x, -1)
+            q = torch.empty_like(probs).exponential_(generator=self._default_generator(x.device))
+            for j, i in enumerate(rows):
+                if generators[i] is not None:  # seeded: its own stream, whatever the batch
+                    q[j].exponential_(generator=generators[i])
+            out[idx] = (probs / q).argmax(-1)
+        return out.tolist()
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus with -inf."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(-1, descending=True)
+    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=logits.device).clamp(max=vocab)
+    ranks = torch.arange(vocab, device=logits.device)
+    drop = ranks[None, :] >= k[:, None]
+    p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), -1)
+    # Keep a token if the mass before it is < top_p (the top token is always kept).
+    drop |= (probs.cumsum(-1) - probs) >= p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)

@@ -155,3 +155,12 @@ def test_attention_on_codes_equals_dense_on_decoded(name, dim):
         ref = dense_attention(q, kh, vh, kv_lens=lens, window=window, softcap=cap)
         assert torch.allclose(out, ref, atol=2e-5), (window, cap)
         assert lse.shape == (5, 8) and torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("shape", [(80,), (1, 80), (0, 80)])
+def test_odd_offset_fp16_fields_decode_for_any_batch(shape):
+    codec = TQCodec("tq_k3.5v3.5", 80)          # k_norm sits at byte 35
+    assert codec.layout.field("k_norm").offset % 2 == 1
+    x = torch.randn(shape)
+    k, v = codec.decode(codec.encode(x, x))
+    assert k.shape == x.shape and v.shape == x.shape

@@ -7,7 +7,8 @@ once. fp8 keys are scored as scale · ⟨q, k̂⟩.
 
 Rows: ``q`` is (T, Hq, D) — T query rows of one sequence (T = 1 for decode, more for a short
 chunked-prefill continuation) — and row t sees the keys [lo_t, hi_t) of the sequence's slots,
-hi_t = ``kv_lens[t]`` (default all) and lo_t = max(0, hi_t − window) under a sliding window.
+hi_t = ``kv_lens[t]`` (default all) and lo_t = max(0, p_t − window + 1) under a sliding window,
+p_t = ``row_pos[t]`` (default hi_t − 1: the row's own token is the last key it sees).
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ import torch
 from .codec import TQCodec
 
 
-def visible_keys(t: int, l: int, kv_lens, window, device) -> torch.Tensor:
-    """(T, L) mask: row t sees keys [max(0, hi_t − window), hi_t), hi_t = kv_lens[t] or L."""
+def visible_keys(t: int, l: int, kv_lens, window, device, row_pos=None) -> torch.Tensor:
+    """(T, L) mask: row t sees keys [lo_t, hi_t), hi_t = kv_lens[t] (default L) and, under a
+    sliding window, lo_t = row_pos[t] − window + 1 (row_pos defaults to hi_t − 1)."""
     pos = torch.arange(l, device=device)
     hi = torch.full((t,), l, device=device) if kv_lens is None else kv_lens.to(device)
-    lo = (hi - window).clamp_min(0) if window else torch.zeros_like(hi)
+    at = hi - 1 if row_pos is None else row_pos.to(device)
+    lo = (at - window + 1).clamp_min(0) if window else torch.zeros_like(hi)
     return (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
 
 
 def attention_on_codes(codec: TQCodec, q: torch.Tensor, slots: torch.Tensor, *,
                        scale: float | None = None, kv_lens: torch.Tensor | None = None,
                        window: int | None = None, softcap: float = 0.0,
-                       return_lse: bool = False):
+                       row_pos: torch.Tensor | None = None, return_lse: bool = False):
     """q (T, Hq, D), slots (L, Hk, slot_bytes) → out (T, Hq, D) float32 [, lse (T, Hq)]."""
     t, hq, d = q.shape
     l, hk, _ = slots.shape
@@ -53,7 +56,7 @@ def attention_on_codes(codec: TQCodec, q: torch.Tensor, slots: torch.Tensor, *,
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
 
-    visible = visible_keys(t, l, kv_lens, window, slots.device)                  # (T, L)
+    visible = visible_keys(t, l, kv_lens, window, slots.device, row_pos)         # (T, L)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                         # (T, Hk, G)
     p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)

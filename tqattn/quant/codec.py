@@ -44,7 +44,8 @@ def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def _read_fp16(slots: torch.Tensor, off: int) -> torch.Tensor:
-    return slots[..., off:off + 2].contiguous().view(torch.float16)[..., 0].float()
+    # clone, not contiguous(): an already-contiguous slice at an odd offset cannot be viewed as fp16
+    return slots[..., off:off + 2].clone(memory_format=torch.contiguous_format).view(torch.float16)[..., 0].float()
 
 
 class _ScalarCodes:

@@ -1,0 +1,110 @@
+"""Timing helpers shared by the benchmarks.
+
+Discipline (the same for every method and baseline): the call is captured once in a CUDA graph
+and the graph is replayed; before each timed replay a 256 MB memset flushes L2 (as
+``triton.testing.do_bench`` does); CUDA events bracket the replay alone; median of at least
+``min_reps`` replays (up to ``max_reps`` / ~``budget_ms`` of work) after warm-up.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import subprocess
+import sys
+
+import torch
+
+FLUSH_BYTES = 256 * 1024 * 1024
+
+
+class Timer:
+    def __init__(self, device="cuda"):
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
+
+    def graph_us(self, fn, *, min_reps=20, max_reps=400, budget_ms=250.0, warmup=3) -> dict:
+        """Median µs of a CUDA-graph replay of fn(), L2 flushed before each rep."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        for _ in range(warmup):
+            graph.replay()
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ev[0].record()
+        for _ in range(3):
+            graph.replay()
+        ev[1].record()
+        torch.cuda.synchronize()
+        est_ms = max(ev[0].elapsed_time(ev[1]) / 3, 1e-3)
+        reps = int(min(max_reps, max(min_reps, budget_ms / est_ms)))
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            self.flush.zero_()
+            starts[i].record()
+            graph.replay()
+            ends[i].record()
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+        del graph
+        return {"us": statistics.median(times), "reps": reps,
+                "min_us": min(times), "p90_us": sorted(times)[int(0.9 * (reps - 1))]}
+
+    def eager_us(self, fn, reps=20) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            self.flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) * 1e3)
+        return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> dict:
+    """Device-to-device copy rate, counting bytes read + written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    ms = statistics.median(times)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bytes": nbytes, "ms": ms, "gbs_rw": 2 * nbytes / ms / 1e6}
+
+
+def environment() -> dict:
+    import triton
+    props = torch.cuda.get_device_properties(0)
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 - informational only
+        smi = ""
+    return {"device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
+            "nvidia_smi": smi, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": triton.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["python3"] + sys.argv)}

@@ -1,0 +1,286 @@
+"""Decode attention on the compressed paged cache vs bf16 FlashAttention-3 paged decode.
+
+Everything runs in one process on the same q and K/V (the anchor's synthetic data: q, K, V ~
+N(0,1) bf16, 4 fixed key channels ×8 per KV head, random block table), timed by
+``bench.common.Timer`` (CUDA-graph replay, L2 flushed, median). Reports µs, KV bytes read,
+effective GB/s and % of the device-to-device copy rate measured in the same run, the time
+ratio vs FA3, the store kernel per decode step, and the output cosine vs bf16 SDPA.
+
+    PYTHONPATH=. python3 bench/decode.py                 # full grid → bench/results/
+    PYTHONPATH=. python3 bench/decode.py --tune          # kernel config sweep at a few shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import Timer, copy_bandwidth_gbs, environment  # noqa: E402
+from tqattn.kernels import decode as decode_mod  # noqa: E402
+from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
+from tqattn.kernels.store import store_kv_triton  # noqa: E402
+from tqattn.quant.codec import TQCodec  # noqa: E402
+from tqattn.quant.paged import kv_cache_shape  # noqa: E402
+
+VLLM = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
+OURS = ["tq_k4v4", "tq_k3.5v3.5", "tq_k3v3"]
+COSINE_ONLY = ["tq_k4v3", "tq_k3v4", "tq_k4v2"]
+BS = 16
+
+
+def make_data(b, l, hq, hk, d, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cpu = torch.Generator().manual_seed(seed)
+    nblk = b * l // BS
+    k = torch.randn(nblk, BS, hk, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+    mult = torch.ones(hk, d)
+    for h in range(hk):
+        mult[h, torch.randperm(d, generator=cpu)[:4]] = 8.0
+    k.mul_(mult.to(device="cuda", dtype=torch.bfloat16))
+    v = torch.randn(nblk, BS, hk, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+    bt = torch.randperm(nblk, device="cuda", generator=gen).to(torch.int32).view(b, l // BS)
+    q = torch.randn(b, hq, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+    return q, k, v, bt
+
+
+def contiguous_kv(k, bt, b, l, hk, d):
+    out = torch.empty(b, hk, l, d, dtype=k.dtype, device="cuda")
+    for i in range(b):
+        out[i].copy_(k[bt[i].long()].view(l, hk, d).transpose(0, 1))
+    return out
+
+
+def fill_cache(codec, k, v, hk):
+    nblk = k.shape[0]
+    cache = torch.empty(kv_cache_shape(nblk, BS, hk, codec), dtype=torch.uint8, device="cuda")
+    step = max(1, (1 << 20) // BS)
+    for b0 in range(0, nblk, step):
+        b1 = min(nblk, b0 + step)
+        slots = torch.arange(b0 * BS, b1 * BS, device="cuda", dtype=torch.int64)
+        store_kv_triton(codec, k[b0:b1].reshape(-1, hk, k.shape[-1]),
+                        v[b0:b1].reshape(-1, hk, k.shape[-1]), cache, slots)
+    return cache
+
+
+def cosines(out, ref):
+    o, r = out.float(), ref.float()
+    whole = F.cosine_similarity(o.flatten(), r.flatten(), dim=0).item()
+    worst = F.cosine_similarity(o, r, dim=-1).min().item()
+    return whole, worst
+
+
+def run_shape(timer, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=None):
+    t_start = time.time()
+    q, k, v, bt = make_data(b, l, hq, hk, d)
+    seq_lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
+    rows = []
+    base = {"hq": hq, "hk": hk, "d": d, "batch": b, "ctx": l}
+    bf16_bytes = b * l * hk * d * 2 * 2
+
+    kc = contiguous_kv(k, bt, b, l, hk, d)
+    vc = contiguous_kv(v, bt, b, l, hk, d)
+    q4 = q.view(b, hq, 1, d)
+    ref = F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True).view(b, hq, d)
+    r = timer.graph_us(lambda: F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True))
+    rows.append({**base, "method": "sdpa_bf16", "kv_bytes": bf16_bytes, **r})
+    del kc, vc
+    torch.cuda.empty_cache()
+    fa3_us = None
+    if fa3 is not None:
+        q1 = q.view(b, 1, hq, d)
+        fa_out = fa3(q1, k, v, cache_seqlens=seq_lens, page_table=bt, causal=True)
+        fa_out = fa_out[0] if isinstance(fa_out, tuple) else fa_out
+        cf = cosines(fa_out.view(b, hq, d), ref)
+        r = timer.graph_us(lambda: fa3(q1, k, v, cache_seqlens=seq_lens, page_table=bt,
+                                       causal=True))
+        fa3_us = r["us"]
+        rows.append({**base, "method": "fa3_bf16_paged", "kv_bytes": bf16_bytes, **r,
+                     "cos": cf[0], "cos_worst": cf[1]})
+        print(f"  B={b} L={l} D={d} fa3 {fa3_us:.1f}us sdpa {rows[0]['us']:.1f}us", flush=True)
+
+    for name in list(presets) + list(cos_only):
+        codec = TQCodec(name, d, device="cuda")
+        cache = fill_cache(codec, k, v, hk)
+        out = torch.full((b, hq, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+        decode_attention_triton(codec, q, cache, bt, seq_lens, out=out)
+        finite = bool(torch.isfinite(out).all())
+        cs = cosines(out, ref)
+        row = {**base, "method": name, "slot_bytes": codec.slot_bytes,
+               "bits_per_elem": codec.layout.bits_per_element,
+               "kv_bytes": b * l * hk * codec.slot_bytes, "cos": cs[0], "cos_worst": cs[1],
+               "finite": finite}
+        if name in presets:
+            configs = tune or [{}]
+            for cfg in configs:
+                fn = lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out, **cfg)  # noqa: E731
+                try:
+                    r = timer.graph_us(fn)
+                except Exception as e:  # noqa: BLE001 - keep sweeping
+                    print(f"  {name} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                rr = {**row, **r, "cfg": cfg}
+                if fa3_us:
+                    rr["x_fa3"] = r["us"] / fa3_us
+                rows.append(rr)
+                gbs = rr["kv_bytes"] / r["us"] / 1e3
+                print(f"  B={b} L={l} D={d} {name:<20} {cfg} {r['us']:.1f}us "
+                      f"x_fa3={rr.get('x_fa3', 0):.3f} {gbs:.0f}GB/s {100 * gbs / copy_gbs:.0f}% "
+                      f"cos={cs[0]:.4f}", flush=True)
+            if not tune:
+                kn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
+                vn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
+                slots = bt[:, -1].long() * BS + BS - 1
+                st = timer.graph_us(lambda: store_kv_triton(codec, kn, vn, cache, slots))
+                rows[-1]["store_us"] = st["us"]
+        else:
+            rows.append(row)
+        del cache, out
+        torch.cuda.empty_cache()
+    for rr in rows:
+        if "us" in rr:
+            rr["gbs"] = rr["kv_bytes"] / rr["us"] / 1e3
+            rr["pct_copy"] = 100 * rr["gbs"] / copy_gbs
+    del q, k, v, bt
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"-- shape hq={hq} hk={hk} d={d} B={b} L={l} done in {time.time() - t_start:.1f}s",
+          flush=True)
+    return rows
+
+
+def fmt_table(rows, methods):
+    head = ("| Hq/Hk/D | B | L | method | bits/elem | µs | x FA3 | KV MB | GB/s | % copy | "
+            "store µs | cos (worst) |")
+    out = [head, "|" + "---|" * 12]
+    for r in rows:
+        if r["method"] not in methods or "us" not in r:
+            continue
+        out.append("| {}/{}/{} | {} | {} | {} | {} | {:.1f} | {} | {:.0f} | {:.0f} | {:.0f}% | {} | {} |"
+                   .format(r["hq"], r["hk"], r["d"], r["batch"], r["ctx"], r["method"],
+                           f"{r['bits_per_elem']:.2f}" if "bits_per_elem" in r else "16",
+                           r["us"], f"{r['x_fa3']:.2f}" if "x_fa3" in r else "",
+                           r["kv_bytes"] / 1e6, r["gbs"], r["pct_copy"],
+                           f"{r['store_us']:.1f}" if "store_us" in r else "",
+                           f"{r['cos']:.4f} ({r['cos_worst']:.3f})" if "cos" in r else ""))
+    return "\n".join(out)
+
+
+def render(result, tag, presets):
+    env, copy = result["env"], result["copy"]
+    rows = result["rows"]
+    methods = ["sdpa_bf16", "fa3_bf16_paged"] + presets
+    md = [f"# {tag}", "", f"- device: {env['device']} ({env['sms']} SMs), torch {env['torch']}, "
+          f"triton {env['triton']}, {env['date']}", f"- command: `{env['command']}`",
+          f"- D2D copy: {copy['gbs_rw']:.0f} GB/s (read+write, {copy['bytes'] >> 30} GiB)",
+          f"- decode kernel config: {result.get('decode_defaults')}",
+          "- time: CUDA-graph replay, L2 flushed before each rep, median; x FA3 = time / "
+          "fa3_bf16_paged time; % copy = effective KV read rate / copy rate; cos vs bf16 SDPA "
+          "(worst (seq, head) in brackets); store µs = one decode step's store (B tokens)", "",
+          fmt_table(rows, methods), ""]
+    cos_rows = [r for r in rows if "us" not in r and "cos" in r]
+    if cos_rows:
+        md += ["Cosine only:", ""] + [f"- {r['method']} ({r['bits_per_elem']:.3f} bits/elem) "
+                                      f"B={r['batch']} L={r['ctx']}: {r['cos']:.4f} "
+                                      f"({r['cos_worst']:.3f})" for r in cos_rows]
+    if result.get("autotune"):
+        md += ["", "Autotune (B=32, L=16K, turboquant_k3v4_nc):", ""]
+        md += [f"- {r['cfg']}: {r['us']:.1f} µs" for r in result["autotune"] if "cfg" in r]
+    return "\n".join(md) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--contexts", default="4096,16384,65536")
+    ap.add_argument("--presets", default=",".join(VLLM + OURS))
+    ap.add_argument("--extra", action="store_true", default=True)
+    ap.add_argument("--no-extra", dest="extra", action="store_false")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--autotune", action="store_true",
+                    help="time a few kernel configs at B=32, L=16K first and use the fastest")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="decode_h200")
+    ap.add_argument("--render", help="only write the markdown of an existing result JSON")
+    args = ap.parse_args()
+
+    if args.render:
+        with open(args.render) as f:
+            res = json.load(f)
+        md = render(res, args.tag, args.presets.split(","))
+        with open(args.render[:-5] + ".md", "w") as f:
+            f.write(md)
+        print(md)
+        return
+    torch.backends.cuda.matmul.allow_tf32 = False
+    env = environment()
+    print(json.dumps(env), flush=True)
+    timer = Timer()
+    copy = copy_bandwidth_gbs()
+    print(f"copy bandwidth: {copy['gbs_rw']:.0f} GB/s (read+write)", flush=True)
+    try:
+        from flash_attn_interface import flash_attn_with_kvcache as fa3
+    except ImportError as e:
+        print(f"FA3 not available: {e}", flush=True)
+        fa3 = None
+    presets = args.presets.split(",")
+    rows = []
+    result = {"env": env, "copy": copy, "block_size": BS, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{args.tag}.json")
+
+    def save():
+        result["decode_defaults"] = dict(decode_mod.DEFAULTS)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if args.autotune:
+        configs = [dict(BLOCK_N=bn, num_warps=w, PREFETCH=pf) for bn, w, pf in
+                   [(128, 4, True), (64, 4, True), (32, 2, True), (128, 8, True), (64, 4, False)]]
+        trows = run_shape(timer, 32, 8, 128, 32, 16384, ["turboquant_k3v4_nc"], copy["gbs_rw"],
+                          fa3, tune=configs)
+        result["autotune"] = trows
+        timed = [r for r in trows if "cfg" in r]
+        if timed:
+            best = min(timed, key=lambda r: r["us"])
+            decode_mod.DEFAULTS.update(best["cfg"])
+            print(f"autotune: using {decode_mod.DEFAULTS}", flush=True)
+        save()
+    if args.tune:
+        configs = [dict(BLOCK_N=bn, num_warps=w, num_stages=s)
+                   for bn, w, s in [(32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 8, 1), (64, 8, 2),
+                                    (128, 8, 1), (128, 4, 1)]]
+        shapes = [(8, 16384), (32, 16384), (128, 4096), (1, 16384)]
+        for b, l in shapes:
+            rows += run_shape(timer, 32, 8, 128, b, l, presets, copy["gbs_rw"], fa3,
+                              tune=configs)
+    else:
+        # the longest context last, after the extra shapes: a time-out loses the least
+        ctxs = sorted(int(x) for x in args.contexts.split(","))
+        shapes = [(32, 8, 128, b, l) for l in ctxs[:-1] for b in map(int, args.batches.split(","))]
+        if args.extra:
+            shapes += [(hq, hk, d, 32, 16384) for hq, hk, d in [(64, 8, 128), (32, 8, 64),
+                                                                (32, 8, 256)]]
+        shapes += [(32, 8, 128, b, ctxs[-1]) for b in map(int, args.batches.split(","))]
+        for hq, hk, d, b, l in shapes:
+            rows += run_shape(timer, hq, hk, d, b, l, presets, copy["gbs_rw"], fa3,
+                              cos_only=COSINE_ONLY if (hq, d, b, l) == (32, 128, 8, 16384) else ())
+            save()
+    save()
+    md = render(result, args.tag, presets)
+    with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
+        f.write(md)
+    print(md, flush=True)
+
+
+if __name__ == "__main__":
+    main()

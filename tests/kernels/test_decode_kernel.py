@@ -1,0 +1,90 @@
+"""Decode attention kernel vs decode_attention_ref under triton's interpreter (CPU, tiny shapes).
+
+Small tiles (BLOCK_N=16) and several splits so that every program walks several tiles
+(register prefetch) and the LSE merge has work to do.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.kernels import conftest
+from tests.kernels._util import filled_cache, rel_err
+from tqattn.quant import paged
+from tqattn.quant.codec import TQCodec
+
+pytestmark = pytest.mark.skipif(not (conftest.INTERPRET and conftest.KERNELS_IMPORTED),
+                                reason="CPU interpreter tests (GPU runs test_kernels_gpu.py)")
+
+SMALL = {"BLOCK_N": 16, "num_splits": 2}
+
+
+def _check(name, d=64, hk=1, group=2, lens=(37, 6), bs=16, dtype=torch.float32, rows=None,
+           continuation=False, tune=SMALL, **kw):
+    from tqattn.kernels.decode import decode_attention_triton
+    codec = TQCodec(name, d)
+    cache, bt, seq_lens = filled_cache(codec, list(lens), hk, bs, key_scale=2.0)
+    qsl = qpos = None
+    n = len(lens)
+    if rows is not None:
+        qsl = torch.tensor([0] + torch.tensor(rows).cumsum(0).tolist(), dtype=torch.int32)
+        n = sum(rows)
+        qpos = seq_lens.clone() if continuation else None
+    q = torch.randn(n, hk * group, d).to(dtype)
+    ref, lse_ref = paged.decode_attention_ref(codec, q, cache, bt, seq_lens, qsl, qpos,
+                                              return_lse=True, **kw)
+    out, lse = decode_attention_triton(codec, q, cache, bt, seq_lens, qsl, qpos,
+                                       return_lse=True, **kw, **tune)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert rel_err(out, ref) < 2e-3 if dtype == torch.float32 else 1e-2
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - lse_ref[fin]).abs().max().item() < 2e-3
+    return out, lse
+
+
+@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                                  "turboquant_3bit_nc", "tq_k4v4", "tq_k3.5v3.5", "tq_k4v2",
+                                  "tq_k3v4_debias"])
+def test_presets(name):
+    _check(name)
+
+
+def test_window_softcap():
+    _check("turboquant_k3v4_nc", lens=(45, 3), window=12, softcap=4.0)
+
+
+def test_rows_and_continuation():
+    # short chunked-prefill continuation: rows see exactly the compressed prefix, with a window
+    _check("turboquant_k8v4", lens=(30, 20, 9), rows=[4, 0, 2], continuation=True, window=10)
+    # several causal rows per sequence (their own tokens are the last ones in the cache)
+    _check("tq_k4v4", lens=(30, 20), rows=[5, 3])
+
+
+def test_rows_without_keys():
+    out, lse = _check("turboquant_4bit_nc", lens=(0, 17))
+    assert bool((out[0] == 0).all()) and bool(torch.isinf(lse[0]).all())
+
+
+def test_gqa_dtype_block_size_head_size():
+    _check("turboquant_k3v4_nc", d=80, hk=2, group=3, lens=(40, 7), bs=32, dtype=torch.float16)
+    _check("turboquant_k8v4", hk=2, group=1, dtype=torch.bfloat16)
+
+
+def test_without_prefetch_and_default_tiles():
+    _check("turboquant_4bit_nc", tune={"PREFETCH": False, "BLOCK_N": 16})
+    _check("turboquant_k8v4", tune={})
+
+
+def test_rejects_bad_shapes():
+    from tqattn.kernels.decode import decode_attention_triton
+    codec = TQCodec("turboquant_k3v4_nc", 64)
+    cache, bt, lens = filled_cache(codec, [5], 2, 16)
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_attention_triton(codec, torch.randn(1, 3, 64), cache, bt, lens)
+    with pytest.raises(NotImplementedError, match="QJL"):
+        decode_attention_triton(TQCodec("tq_k3v4_qjl", 64), torch.randn(1, 2, 64),
+                                torch.zeros(1, 2, 16 * TQCodec("tq_k3v4_qjl", 64).slot_bytes,
+                                            dtype=torch.uint8), bt, lens)
+    assert math.isfinite(1.0)

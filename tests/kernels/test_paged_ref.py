@@ -1,0 +1,132 @@
+"""The paged reference (layout, store, gather, decode, dequant) against the codec itself."""
+
+import math
+
+import pytest
+import torch
+
+from tests.kernels._util import filled_cache, random_block_table, slots_for
+from tqattn.quant import paged
+from tqattn.quant.attention_ref import attention_on_codes
+from tqattn.quant.codec import TQCodec
+
+PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+           "tq_k4v4", "tq_k3.5v3.5", "tq_k4v2", "tq_k3v3", "tq_k2.5v2.5", "tq_k4v4_qjl"]
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("d", [64, 80, 96])
+@pytest.mark.parametrize("name", PRESETS)
+def test_page_positions_are_a_permutation(name, d, bs):
+    codec = TQCodec(name, d)
+    pos = paged.page_positions(codec, bs)
+    assert pos.shape == (bs, codec.slot_bytes)
+    assert torch.equal(pos.flatten().sort().values, torch.arange(bs * codec.slot_bytes))
+
+
+def test_fp16_fields_are_plain_arrays():
+    codec = TQCodec("turboquant_k3v4_nc", 128)
+    f = codec.layout.field("k_norm")
+    pos = paged.page_positions(codec, 16)
+    assert torch.equal(pos[:, f.offset], 16 * f.offset + 2 * torch.arange(16))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_store_gather_roundtrip(name):
+    codec = TQCodec(name, 64)
+    bt, nb = random_block_table([20, 7], 16)
+    cache = torch.zeros(paged.kv_cache_shape(nb, 16, 2, codec), dtype=torch.uint8)
+    k, v = torch.randn(27, 2, 64), torch.randn(27, 2, 64)
+    k[3, 1, 0] = math.nan
+    slots = torch.cat([slots_for(bt, 0, torch.arange(20), 16), slots_for(bt, 1, torch.arange(7), 16)])
+    paged.store_ref(codec, k, v, cache, slots)
+    got = paged.gather_slots_ref(codec, cache, bt, torch.tensor([20, 7]))
+    want = codec.encode(k, v, on_nonfinite="propagate")
+    assert torch.equal(torch.cat(got), want)
+
+
+def test_negative_slots_are_skipped():
+    codec = TQCodec("tq_k4v4", 64)
+    cache = torch.full(paged.kv_cache_shape(2, 16, 2, codec), 7, dtype=torch.uint8)
+    paged.store_ref(codec, torch.randn(2, 2, 64), torch.randn(2, 2, 64), cache,
+                    torch.tensor([-1, 17]))
+    assert bool((cache[0] == 7).all()) and not bool((cache[1] == 7).all())
+
+
+def test_kv_cache_shape_and_checks():
+    codec = TQCodec("turboquant_k3v4_nc", 128)
+    assert paged.kv_cache_shape(10, 16, 8, codec) == (10, 8, 16 * 118)
+    with pytest.raises(ValueError, match="uint8"):
+        paged.cache_block_size(codec, torch.zeros(10, 8, 100, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k3.5v3.5",
+                                  "tq_k4v4_qjl"])
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (9, 3.0)])
+def test_decode_ref_equals_attention_on_codes(name, window, softcap):
+    codec = TQCodec(name, 64)
+    lens = [40, 23, 1]
+    cache, bt, seq_lens = filled_cache(codec, lens, 2, 16, key_scale=2.0)
+    rows = [3, 1, 1]
+    qsl = torch.tensor([0, 3, 4, 5])
+    q = torch.randn(5, 6, 64)
+    out, lse = paged.decode_attention_ref(codec, q, cache, bt, seq_lens, qsl, window=window,
+                                          softcap=softcap, return_lse=True)
+    slots = paged.gather_slots_ref(codec, cache, bt, seq_lens)
+    for b, (n, r) in enumerate(zip(lens, rows)):
+        r0 = int(qsl[b])
+        kv_lens = torch.arange(n - r + 1, n + 1)
+        o, l = attention_on_codes(codec, q[r0:r0 + r], slots[b], kv_lens=kv_lens, window=window,
+                                  softcap=softcap, return_lse=True)
+        torch.testing.assert_close(out[r0:r0 + r], o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[r0:r0 + r], l, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_ref_rows_without_keys():
+    codec = TQCodec("turboquant_4bit_nc", 64)
+    cache, bt, seq_lens = filled_cache(codec, [10, 10], 1, 16)
+    q = torch.randn(2, 2, 64)
+    out, lse = paged.decode_attention_ref(codec, q, cache, bt, torch.tensor([0, 10]),
+                                          return_lse=True)
+    assert bool((out[0] == 0).all()) and bool(torch.isinf(lse[0]).all())
+    assert bool(torch.isfinite(lse[1]).all())
+
+
+def test_continuation_rows_see_the_prefix_only():
+    codec = TQCodec("turboquant_k3v4_nc", 64)
+    cache, bt, seq_lens = filled_cache(codec, [30], 2, 16)
+    q = torch.randn(4, 4, 64)
+    qsl = torch.tensor([0, 4])
+    a = paged.decode_attention_ref(codec, q, cache, bt, seq_lens, qsl, seq_lens.clone())
+    # every row sees all 30 cached keys: each equals a plain decode of the same query
+    for i in range(4):
+        b = paged.decode_attention_ref(codec, q[i:i + 1], cache, bt, seq_lens)
+        torch.testing.assert_close(a[i], b[0])
+
+
+def test_dequant_ref_matches_codec():
+    codec = TQCodec("tq_k3.5v3.5", 80)
+    cache, bt, lens = filled_cache(codec, [33, 5], 2, 16)
+    k, v = paged.dequant_ref(codec, cache, bt, lens)
+    slots = paged.gather_slots_ref(codec, cache, bt, lens)
+    kk, vv = codec.decode(torch.cat(slots))
+    torch.testing.assert_close(k, kk, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v, vv, rtol=1e-5, atol=1e-6)
+
+
+def test_single_slot_with_odd_fp16_offset():
+    # tq_k3.5v3.5 at D=80 keeps k_norm at byte 35; one slot / empty sequences must still work
+    codec = TQCodec("tq_k3.5v3.5", 80)
+    assert codec.layout.field("k_norm").offset % 2 == 1
+    cache = torch.zeros(paged.kv_cache_shape(2, 16, 1, codec), dtype=torch.uint8)
+    k, v = torch.randn(1, 1, 80), torch.randn(1, 1, 80)
+    paged.store_ref(codec, k, v, cache, torch.tensor([0]))
+    bt = torch.tensor([[0], [1]], dtype=torch.int32)
+    lens = torch.tensor([1, 0])
+    kk, vv = paged.dequant_ref(codec, cache, bt, lens)
+    assert kk.shape == (1, 1, 80)
+    q = torch.randn(2, 2, 80)
+    out, lse = paged.decode_attention_ref(codec, q, cache, bt, lens, return_lse=True)
+    # one visible key: softmax weight 1 on it, the output is its value
+    torch.testing.assert_close(out[0], vv[0].expand(2, -1), rtol=1e-4, atol=1e-4)
+    assert bool(torch.isinf(lse[1]).all())

@@ -1,0 +1,63 @@
+"""Store kernel vs store_ref under triton's interpreter (CPU, tiny shapes)."""
+
+import math
+
+import pytest
+import torch
+
+from tests.kernels import conftest
+from tqattn.quant import paged
+from tqattn.quant.codec import TQCodec
+
+pytestmark = pytest.mark.skipif(not (conftest.INTERPRET and conftest.KERNELS_IMPORTED),
+                                reason="CPU interpreter tests (GPU runs test_kernels_gpu.py)")
+
+PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+           "tq_k4v4", "tq_k4v3", "tq_k3v4", "tq_k3v3", "tq_k3.5v3.5", "tq_k4v2",
+           "tq_k3v4_debias"]
+
+
+def _store_both(codec, k, v, slots, nb, bs, hk):
+    from tqattn.kernels.store import store_kv_triton
+    init = torch.randint(0, 256, paged.kv_cache_shape(nb, bs, hk, codec), dtype=torch.uint8)
+    a, b = init.clone(), init.clone()
+    paged.store_ref(codec, k, v, a, slots)
+    store_kv_triton(codec, k, v, b, slots)
+    return a, b
+
+
+@pytest.mark.parametrize("name,d,bs", [(p, 64, 16) for p in PRESETS]
+                         + [("turboquant_k3v4_nc", 80, 32), ("tq_k3.5v3.5", 96, 16),
+                            ("turboquant_k8v4", 80, 16)])
+def test_store_bytes_match_reference(name, d, bs):
+    codec = TQCodec(name, d)
+    hk, n, nb = 3, 6, 3
+    k = torch.randn(n, hk, d) * 3
+    v = torch.randn(n, hk, d)
+    k[1, 0, 3] = math.nan        # non-finite vectors are stored with NaN markers
+    v[2, 2, 0] = math.inf
+    slots = torch.randperm(nb * bs)[:n]
+    slots[4] = -1                # padding: skipped
+    a, b = _store_both(codec, k, v, slots, nb, bs, hk)
+    assert torch.equal(a, b)
+
+
+def test_store_half_inputs():
+    codec = TQCodec("turboquant_k3v4_nc", 64)
+    k = torch.randn(4, 2, 64).to(torch.bfloat16)
+    v = torch.randn(4, 2, 64).to(torch.float16)
+    a, b = _store_both(codec, k, v, torch.arange(4), 1, 16, 2)
+    assert torch.equal(a, b)
+
+
+def test_fp8_encoding_edge_values():
+    codec = TQCodec("turboquant_k8v4", 16 * 4)
+    special = torch.tensor([0.0, -0.0, 1e-9, 2 ** -10, 3 * 2 ** -10, 2 ** -9 * 1.5, 2 ** -6,
+                            0.0137, 1.0625, 1.1875, 1.125 + 2 ** -5, 240.0, 447.0, 448.0, 460.0,
+                            1e6, -1e6, -3.3, math.nan, math.inf, -math.inf, 2 ** -7 * 1.0625,
+                            2 ** -8 + 2 ** -10, 17.5, -0.001953125, 0.0029296875, 0.5 + 2 ** -5,
+                            2 ** -6 * 0.9375, 2 ** -6 * 0.96875, 300.0, 320.0, 352.0])
+    k = torch.randn(1, 1, 64)
+    k[0, 0, :special.numel()] = special
+    a, b = _store_both(codec, k, torch.randn(1, 1, 64), torch.tensor([5]), 1, 16, 1)
+    assert torch.equal(a, b)

@@ -1,0 +1,564 @@
+"""Split-KV decode attention over the paged TurboQuant cache (Triton).
+
+Math = :func:`tqattn.quant.paged.decode_attention_ref`. One program per (sequence, KV head,
+split, row block): all query heads of the KV group (and, for multi-row calls, several rows) form
+the ``BLOCK_M`` rows of the ``tl.dot`` calls, so each compressed byte is read once per group.
+The query is rotated once on the host side (one fp32 GEMM) and scored against centroid tiles in
+the rotated basis: ``score_j = scale · n_j · ⟨q R, ĉ_j⟩ / ‖ĉ_j‖`` (nc) — the per-token factor
+scales the score column, never K. Uniform values enter as their integer codes:
+``p·v = (p·scale) @ codes + p·zero``; rotated ("tq") values as centroids with ``p`` scaled by
+``n/‖ĉ‖`` — accumulated in the rotated basis and un-rotated once after the merge.
+
+Inner loop: a packed word holds CPW codes (8 for 3-bit, 2 for 4-bit); code i of every word
+forms its own ``[BLOCK_N, G]`` tile and its own ``tl.dot`` with the matching query columns
+(``g·CPW + i``, gathered once before the loop), so codes are never interleaved back into
+coordinate order. The raw bytes of tile t+1 are loaded into registers while tile t is computed
+(``PREFETCH``). Splits write a normalised partial output and its LSE; a second small kernel
+merges them. The grid depends only on the batch size (and ``max_query_len``); the tiles each
+split walks come from ``seq_lens`` on the device: CUDA-graph safe, no host sync.
+
+Status (H200, bench/results/decode_h200.md): correct for every preset, but not yet faster than
+bf16 FA3 except fp8 keys (turboquant_k3v4_nc ≈ 1.3–1.7× FA3's time). The loop is bound by
+per-element integer work (≈70 warp instructions per token for k3v4_nc: byte unpacking, centroid
+gathers, int→fp16 conversions, shared-memory layout conversions for the dot operands), not by
+HBM; see bench/results/decode_notes.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.codec import TQCodec
+from ..quant.paged import cache_block_size
+from ._spec import default_scale, kernel_spec, next_pow2
+
+@triton.jit
+def _raw_field(cache_ptr, pbase, tip, ok, BS: tl.constexpr, OFF: tl.constexpr, W: tl.constexpr,
+               G: tl.constexpr, GP: tl.constexpr):
+    """Raw bytes [N, GP] of a code field's W sub-planes (unused planes alias plane 0)."""
+    g = tl.arange(0, GP)[None, :]
+    if G == GP:
+        m = ok[:, None]
+    else:
+        m = ok[:, None] & (g < G)
+    ptr = cache_ptr + (pbase + OFF + tip * G)[:, None] + g
+    b0 = tl.load(ptr, mask=m, other=0)
+    if W == 3:
+        b1 = tl.load(ptr + BS * G, mask=m, other=0)
+        b2 = tl.load(ptr + 2 * BS * G, mask=m, other=0)
+    else:
+        b1 = b0
+        b2 = b0
+    return b0, b1, b2
+
+
+@triton.jit
+def _raw_fp16(cache_ptr, pbase, tip, ok, OFF: tl.constexpr):
+    return tl.load((cache_ptr + pbase + OFF).to(tl.pointer_type(tl.float16)) + tip, mask=ok,
+                   other=0.0)
+
+
+@triton.jit
+def _words(b0, b1, b2, W: tl.constexpr):
+    w = b0.to(tl.int32)
+    if W == 3:
+        w = w | (b1.to(tl.int32) << 8) | (b2.to(tl.int32) << 16)
+    return w
+
+
+@triton.jit
+def _phase_tile(w, I: tl.constexpr, lut_ptr, cm, LUT_ON: tl.constexpr, FP8: tl.constexpr,
+                FP8_NATIVE: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr):
+    """Code I of every word → fp16 tile [N, GP] (centroid / fp8 key / integer code) and Σc² [N]."""
+    code = (w >> (BITS * I)) & ((1 << BITS) - 1)
+    if FP8 and FP8_NATIVE:
+        v = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        ss = tl.zeros([code.shape[0]], tl.float32)
+    elif LUT_ON:
+        c = tl.load(lut_ptr + LUT + code, mask=cm, other=0.0)
+        v = c.to(tl.float16)
+        ss = tl.sum(c * c, axis=1)
+    else:
+        v = code.to(tl.float16)
+        ss = tl.zeros([code.shape[0]], tl.float32)
+    return v, ss
+
+
+@triton.jit
+def _key_phase(w, I: tl.constexpr, q, s, ss, lut_ptr, cm, FP8: tl.constexpr,
+               FP8_NATIVE: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr):
+    k, sq = _phase_tile(w, I, lut_ptr, cm, True, FP8, FP8_NATIVE, BITS, LUT)
+    return s + tl.dot(q, tl.trans(k)), ss + sq
+
+
+@triton.jit
+def _key_field(w, q0, q1, q2, q3, q4, q5, q6, q7, s, ss, lut_ptr, cm, FP8: tl.constexpr,
+               FP8_NATIVE: tl.constexpr, BITS: tl.constexpr, CPW: tl.constexpr,
+               LUT: tl.constexpr):
+    """s += Σ_i q_i · tile_iᵀ over the CPW codes of each word."""
+    s, ss = _key_phase(w, 0, q0, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
+    if CPW > 1:
+        s, ss = _key_phase(w, 1, q1, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
+    if CPW > 2:
+        s, ss = _key_phase(w, 2, q2, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
+        s, ss = _key_phase(w, 3, q3, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
+    if CPW > 4:
+        s, ss = _key_phase(w, 4, q4, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
+        s, ss = _key_phase(w, 5, q5, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
+        s, ss = _key_phase(w, 6, q6, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
+        s, ss = _key_phase(w, 7, q7, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
+    return s, ss
+
+
+@triton.jit
+def _value_tiles(w, lut_ptr, cm, TQ: tl.constexpr, BITS: tl.constexpr, CPW: tl.constexpr,
+                 LUT: tl.constexpr):
+    """The CPW value tiles of a field (unused ones alias tile 0) and Σc² [N]."""
+    t0, ss = _phase_tile(w, 0, lut_ptr, cm, TQ, False, False, BITS, LUT)
+    t1, t2, t3, t4, t5, t6, t7 = t0, t0, t0, t0, t0, t0, t0
+    if CPW > 1:
+        t1, sq = _phase_tile(w, 1, lut_ptr, cm, TQ, False, False, BITS, LUT)
+        ss += sq
+    if CPW > 2:
+        t2, sq = _phase_tile(w, 2, lut_ptr, cm, TQ, False, False, BITS, LUT)
+        ss += sq
+        t3, sq = _phase_tile(w, 3, lut_ptr, cm, TQ, False, False, BITS, LUT)
+        ss += sq
+    if CPW > 4:
+        t4, sq = _phase_tile(w, 4, lut_ptr, cm, TQ, False, False, BITS, LUT)
+        ss += sq
+        t5, sq = _phase_tile(w, 5, lut_ptr, cm, TQ, False, False, BITS, LUT)
+        ss += sq
+        t6, sq = _phase_tile(w, 6, lut_ptr, cm, TQ, False, False, BITS, LUT)
+        ss += sq
+        t7, sq = _phase_tile(w, 7, lut_ptr, cm, TQ, False, False, BITS, LUT)
+        ss += sq
+    return t0, t1, t2, t3, t4, t5, t6, t7, ss
+
+
+@triton.jit
+def _pv(acc, alpha, pv, v):
+    return acc * alpha[:, None] + tl.dot(pv, v)
+
+
+@triton.jit
+def _q_phase(q_ptr, q_rows, row_ok, I: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+             CPW: tl.constexpr, START: tl.constexpr):
+    g = tl.arange(0, GP)
+    return tl.load(q_ptr + q_rows[:, None] + START + (g * CPW + I)[None, :],
+                   mask=row_ok[:, None] & (g < G)[None, :], other=0.0).to(tl.float16)
+
+
+@triton.jit
+def _q_phases(q_ptr, q_rows, row_ok, G: tl.constexpr, GP: tl.constexpr, CPW: tl.constexpr,
+              START: tl.constexpr):
+    """Query coordinates START + g·CPW + i, one [M, GP] fp16 tile per code i."""
+    q0 = _q_phase(q_ptr, q_rows, row_ok, 0, G, GP, CPW, START)
+    q1, q2, q3, q4, q5, q6, q7 = q0, q0, q0, q0, q0, q0, q0
+    if CPW > 1:
+        q1 = _q_phase(q_ptr, q_rows, row_ok, 1, G, GP, CPW, START)
+    if CPW > 2:
+        q2 = _q_phase(q_ptr, q_rows, row_ok, 2, G, GP, CPW, START)
+        q3 = _q_phase(q_ptr, q_rows, row_ok, 3, G, GP, CPW, START)
+    if CPW > 4:
+        q4 = _q_phase(q_ptr, q_rows, row_ok, 4, G, GP, CPW, START)
+        q5 = _q_phase(q_ptr, q_rows, row_ok, 5, G, GP, CPW, START)
+        q6 = _q_phase(q_ptr, q_rows, row_ok, 6, G, GP, CPW, START)
+        q7 = _q_phase(q_ptr, q_rows, row_ok, 7, G, GP, CPW, START)
+    return q0, q1, q2, q3, q4, q5, q6, q7
+
+
+@triton.jit
+def _store_phase(po_ptr, po_rows, row_ok, acc, I: tl.constexpr, G: tl.constexpr,
+                 GP: tl.constexpr, CPW: tl.constexpr, START: tl.constexpr):
+    g = tl.arange(0, GP)
+    tl.store(po_ptr + po_rows[:, None] + START + (g * CPW + I)[None, :], acc,
+             mask=row_ok[:, None] & (g < G)[None, :])
+
+
+@triton.jit
+def _store_field(po_ptr, po_rows, row_ok, inv, z, a0, a1, a2, a3, a4, a5, a6, a7,
+                 G: tl.constexpr, GP: tl.constexpr, CPW: tl.constexpr, START: tl.constexpr):
+    """Normalised partial output (acc_i · inv + z) at the coordinates of code i."""
+    _store_phase(po_ptr, po_rows, row_ok, a0 * inv[:, None] + z[:, None], 0, G, GP, CPW, START)
+    if CPW > 1:
+        _store_phase(po_ptr, po_rows, row_ok, a1 * inv[:, None] + z[:, None], 1, G, GP, CPW, START)
+    if CPW > 2:
+        _store_phase(po_ptr, po_rows, row_ok, a2 * inv[:, None] + z[:, None], 2, G, GP, CPW, START)
+        _store_phase(po_ptr, po_rows, row_ok, a3 * inv[:, None] + z[:, None], 3, G, GP, CPW, START)
+    if CPW > 4:
+        _store_phase(po_ptr, po_rows, row_ok, a4 * inv[:, None] + z[:, None], 4, G, GP, CPW, START)
+        _store_phase(po_ptr, po_rows, row_ok, a5 * inv[:, None] + z[:, None], 5, G, GP, CPW, START)
+        _store_phase(po_ptr, po_rows, row_ok, a6 * inv[:, None] + z[:, None], 6, G, GP, CPW, START)
+        _store_phase(po_ptr, po_rows, row_ok, a7 * inv[:, None] + z[:, None], 7, G, GP, CPW, START)
+
+
+@triton.jit
+def _load_tile(cache_ptr, bt_row, tok, ok, sc_b, kvh_off, BS: tl.constexpr,
+               K_FP8: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
+               K0_OFF: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr, K0_GP: tl.constexpr,
+               K1_OFF: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr, K1_GP: tl.constexpr,
+               V_TQ: tl.constexpr, VN_OFF: tl.constexpr, VS_OFF: tl.constexpr,
+               VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
+               V0_OFF: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr, V0_GP: tl.constexpr,
+               V1_OFF: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr, V1_GP: tl.constexpr):
+    """Every raw byte / fp16 field of one tile of tokens (issued together, consumed later)."""
+    blk = tl.load(bt_row + tok // BS, mask=ok, other=0).to(tl.int64)
+    pbase = blk * sc_b + kvh_off
+    tip = tok % BS
+    ka, kb, kc = _raw_field(cache_ptr, pbase, tip, ok, BS, K0_OFF, K0_W, K0_G, K0_GP)
+    if HAS_K1:
+        kd, ke, kf = _raw_field(cache_ptr, pbase, tip, ok, BS, K1_OFF, K1_W, K1_G, K1_GP)
+    else:
+        kd, ke, kf = ka, kb, kc
+    va, vb, vc = _raw_field(cache_ptr, pbase, tip, ok, BS, V0_OFF, V0_W, V0_G, V0_GP)
+    if HAS_V1:
+        vd, ve, vf = _raw_field(cache_ptr, pbase, tip, ok, BS, V1_OFF, V1_W, V1_G, V1_GP)
+    else:
+        vd, ve, vf = va, vb, vc
+    if V_TQ:
+        n2 = _raw_fp16(cache_ptr, pbase, tip, ok, VN_OFF)
+        n3 = n2
+    else:
+        n2 = _raw_fp16(cache_ptr, pbase, tip, ok, VS_OFF)
+        n3 = _raw_fp16(cache_ptr, pbase, tip, ok, VZ_OFF)
+    if K_FP8:
+        n1 = n2
+    else:
+        n1 = _raw_fp16(cache_ptr, pbase, tip, ok, KN_OFF)
+    return ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3
+
+
+@triton.jit
+def _decode_split_kernel(
+        q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr, qsl_ptr, qpos_ptr,
+        lut_ptr, po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h,
+        scale, softcap, window, kfac, vfac,
+        HAS_QSL: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS, PREFETCH: tl.constexpr,
+        FP8_NATIVE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
+        K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
+        K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
+        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr,
+        K1_OFF: tl.constexpr, K1_BITS: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr,
+        K1_GP: tl.constexpr, K1_CPW: tl.constexpr, K1_START: tl.constexpr,
+        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr,
+        V_TQ: tl.constexpr, V_CORR: tl.constexpr, V_LEVELS: tl.constexpr, VN_OFF: tl.constexpr,
+        VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
+        V0_OFF: tl.constexpr, V0_BITS: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr,
+        V0_GP: tl.constexpr, V0_CPW: tl.constexpr, V0_START: tl.constexpr,
+        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr,
+        V1_OFF: tl.constexpr, V1_BITS: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr,
+        V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
+        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr,
+        PAD_OFF: tl.constexpr, PAD_N: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rb = tl.program_id(2)
+    b = pid // HK
+    kvh = pid % HK
+
+    if HAS_QSL:
+        r0 = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - r0
+    else:
+        r0 = b
+        q_len = 1
+    if rb * BLOCK_M < q_len * GROUP:
+        seq_len = tl.load(seqlen_ptr + b)
+        if HAS_QPOS:
+            pos0 = tl.load(qpos_ptr + b)
+        else:
+            pos0 = seq_len - q_len
+
+        m_idx = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = m_idx < q_len * GROUP
+        ri = m_idx // GROUP
+        head = kvh * GROUP + m_idx % GROUP
+        pos = pos0 + ri
+        hi = tl.minimum(pos + 1, seq_len)
+        if HAS_WINDOW:
+            lo = tl.maximum(pos - window + 1, 0)
+        else:
+            lo = tl.zeros_like(pos)
+        # key range of the whole row block: rows are consecutive positions
+        i_first = (rb * BLOCK_M) // GROUP
+        i_last = tl.minimum(q_len - 1, ((rb + 1) * BLOCK_M - 1) // GROUP)
+        range_hi = tl.minimum(pos0 + i_last + 1, seq_len)
+        if HAS_WINDOW:
+            range_lo = tl.maximum(pos0 + i_first - window + 1, 0)
+        else:
+            range_lo = 0
+        start = (range_lo // BLOCK_N) * BLOCK_N
+        n_tiles = tl.maximum(tl.cdiv(range_hi - start, BLOCK_N), 0)
+        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        t0 = split * per_split
+        t1 = tl.minimum(t0 + per_split, n_tiles)
+
+        q_rows = ((r0 + ri) * sq_r + head * sq_h).to(tl.int64)
+        qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7 = _q_phases(q_ptr, q_rows, row_ok, K0_G, K0_GP,
+                                                           K0_CPW, K0_START)
+        if HAS_K1:
+            qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7 = _q_phases(q_ptr, q_rows, row_ok, K1_G,
+                                                               K1_GP, K1_CPW, K1_START)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        zacc = tl.zeros([BLOCK_M], tl.float32)
+        # one accumulator per code of a value word (a: field 0, b: field 1 of fractional widths)
+        aa0 = tl.zeros([BLOCK_M, V0_GP], tl.float32)
+        aa1, aa2, aa3, aa4, aa5, aa6, aa7 = aa0, aa0, aa0, aa0, aa0, aa0, aa0
+        ab0 = tl.zeros([BLOCK_M, V1_GP], tl.float32)
+        ab1, ab2, ab3, ab4, ab5, ab6, ab7 = ab0, ab0, ab0, ab0, ab0, ab0, ab0
+        gk0 = tl.arange(0, K0_GP)[None, :] < K0_G
+        gk1 = tl.arange(0, K1_GP)[None, :] < K1_G
+        gv0 = tl.arange(0, V0_GP)[None, :] < V0_G
+        gv1 = tl.arange(0, V1_GP)[None, :] < V1_G
+        bt_row = bt_ptr + b.to(tl.int64) * sbt
+        kvh_off = kvh.to(tl.int64) * sc_h
+        qk_scale = scale * 1.4426950408889634
+        ar = tl.arange(0, BLOCK_N)
+
+        # software pipeline: the bytes of tile t+1 are in flight while tile t is computed
+        tok = start + t0 * BLOCK_N + ar
+        ok = (tok < range_hi) & (t0 < t1)
+        ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3 = _load_tile(
+            cache_ptr, bt_row, tok, ok, sc_b, kvh_off, BS, K_FP8, KN_OFF, HAS_K1,
+            K0_OFF, K0_W, K0_G, K0_GP, K1_OFF, K1_W, K1_G, K1_GP, V_TQ, VN_OFF, VS_OFF, VZ_OFF,
+            HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V1_OFF, V1_W, V1_G, V1_GP)
+        for t in range(t0, t1):
+            tok = start + t * BLOCK_N + ar
+            ok = tok < range_hi
+            if PREFETCH:
+                tokn = tok + BLOCK_N
+                okn = (tokn < range_hi) & (t + 1 < t1)
+                (ka_n, kb_n, kc_n, kd_n, ke_n, kf_n, va_n, vb_n, vc_n, vd_n, ve_n, vf_n, n1_n,
+                 n2_n, n3_n) = _load_tile(
+                    cache_ptr, bt_row, tokn, okn, sc_b, kvh_off, BS, K_FP8, KN_OFF, HAS_K1,
+                    K0_OFF, K0_W, K0_G, K0_GP, K1_OFF, K1_W, K1_G, K1_GP, V_TQ, VN_OFF, VS_OFF,
+                    VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V1_OFF, V1_W, V1_G, V1_GP)
+            elif t > t0:
+                ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3 = _load_tile(
+                    cache_ptr, bt_row, tok, ok, sc_b, kvh_off, BS, K_FP8, KN_OFF, HAS_K1,
+                    K0_OFF, K0_W, K0_G, K0_GP, K1_OFF, K1_W, K1_G, K1_GP, V_TQ, VN_OFF, VS_OFF,
+                    VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V1_OFF, V1_W, V1_G, V1_GP)
+
+            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            ss = tl.zeros([BLOCK_N], tl.float32)
+            s, ss = _key_field(_words(ka, kb, kc, K0_W), qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7,
+                               s, ss, lut_ptr, ok[:, None] & gk0, K_FP8, FP8_NATIVE, K0_BITS,
+                               K0_CPW, K0_LUT)
+            if HAS_K1:
+                s, ss = _key_field(_words(kd, ke, kf, K1_W), qb0, qb1, qb2, qb3, qb4, qb5, qb6,
+                                   qb7, s, ss, lut_ptr, ok[:, None] & gk1, K_FP8, FP8_NATIVE,
+                                   K1_BITS, K1_CPW, K1_LUT)
+            if K_FP8:
+                s = s * qk_scale
+            else:
+                fk = n1.to(tl.float32)
+                if K_CORR == 1:
+                    fk = fk / tl.sqrt(tl.where(ok, ss, 1.0))
+                elif K_CORR == 2:
+                    fk = fk * kfac
+                s = s * (fk * qk_scale)[None, :]
+            if HAS_SOFTCAP:
+                # cap·tanh(x/cap) on natural-log scores, written with exp (no tanh in tl)
+                x = s * (1.0 / (1.4426950408889634 * softcap))
+                s = (softcap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+            vis = ((tok[None, :] >= lo[:, None]) & (tok[None, :] < hi[:, None])
+                   & row_ok[:, None])
+            s = tl.where(vis, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+
+            va0, va1, va2, va3, va4, va5, va6, va7, sv = _value_tiles(
+                _words(va, vb, vc, V0_W), lut_ptr, ok[:, None] & gv0, V_TQ, V0_BITS, V0_CPW,
+                V0_LUT)
+            if HAS_V1:
+                vb0, vb1, vb2, vb3, vb4, vb5, vb6, vb7, sv1 = _value_tiles(
+                    _words(vd, ve, vf, V1_W), lut_ptr, ok[:, None] & gv1, V_TQ, V1_BITS, V1_CPW,
+                    V1_LUT)
+                sv += sv1
+            fv = n2.to(tl.float32)
+            if V_TQ:
+                if V_CORR == 1:
+                    fv = fv / tl.sqrt(tl.where(ok, sv, 1.0))
+                elif V_CORR == 2:
+                    fv = fv * vfac
+            else:
+                zacc = zacc * alpha + tl.sum(p * n3.to(tl.float32)[None, :], axis=1)
+            pv = (p * fv[None, :]).to(tl.float16)
+            aa0 = _pv(aa0, alpha, pv, va0)
+            if V0_CPW > 1:
+                aa1 = _pv(aa1, alpha, pv, va1)
+            if V0_CPW > 2:
+                aa2 = _pv(aa2, alpha, pv, va2)
+                aa3 = _pv(aa3, alpha, pv, va3)
+            if V0_CPW > 4:
+                aa4 = _pv(aa4, alpha, pv, va4)
+                aa5 = _pv(aa5, alpha, pv, va5)
+                aa6 = _pv(aa6, alpha, pv, va6)
+                aa7 = _pv(aa7, alpha, pv, va7)
+            if HAS_V1:
+                ab0 = _pv(ab0, alpha, pv, vb0)
+                if V1_CPW > 1:
+                    ab1 = _pv(ab1, alpha, pv, vb1)
+                if V1_CPW > 2:
+                    ab2 = _pv(ab2, alpha, pv, vb2)
+                    ab3 = _pv(ab3, alpha, pv, vb3)
+                if V1_CPW > 4:
+                    ab4 = _pv(ab4, alpha, pv, vb4)
+                    ab5 = _pv(ab5, alpha, pv, vb5)
+                    ab6 = _pv(ab6, alpha, pv, vb6)
+                    ab7 = _pv(ab7, alpha, pv, vb7)
+            if PREFETCH:
+                ka, kb, kc, kd, ke, kf = ka_n, kb_n, kc_n, kd_n, ke_n, kf_n
+                va, vb, vc, vd, ve, vf = va_n, vb_n, vc_n, vd_n, ve_n, vf_n
+                n1, n2, n3 = n1_n, n2_n, n3_n
+
+        has = l_i > 0.0
+        inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+        lse = tl.where(has, m_i * 0.6931471805599453 + tl.log(tl.where(has, l_i, 1.0)),
+                       float("-inf"))
+        po_rows = ((r0 + ri) * spo_r + head * spo_h + split * spo_s).to(tl.int64)
+        z = zacc * inv  # uniform values: Σ p·zero (0 for rotated values)
+        _store_field(po_ptr, po_rows, row_ok, inv, z, aa0, aa1, aa2, aa3, aa4, aa5, aa6, aa7,
+                     V0_G, V0_GP, V0_CPW, V0_START)
+        if HAS_V1:
+            _store_field(po_ptr, po_rows, row_ok, inv, z, ab0, ab1, ab2, ab3, ab4, ab5, ab6, ab7,
+                         V1_G, V1_GP, V1_CPW, V1_START)
+        tl.store(plse_ptr + (r0 + ri) * spl_r + head * spl_h + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, out_ptr, so_r, so_h,
+                  lse_ptr, sl_r, S, SP: tl.constexpr,
+                  D: tl.constexpr, DP: tl.constexpr, WRITE_LSE: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    d = tl.arange(0, DP)
+    lse = tl.load(plse_ptr + row * spl_r + h * spl_h + s, mask=s < S, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    mx_use = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(lse - mx_use)
+    tot = tl.sum(w, axis=0)
+    part = tl.load(po_ptr + row.to(tl.int64) * spo_r + h * spo_h + s[:, None] * spo_s + d[None, :],
+                   mask=(s < S)[:, None] & (d < D)[None, :] & (w > 0.0)[:, None], other=0.0)
+    o = tl.sum(part * w[:, None], axis=0) / tl.where(tot > 0.0, tot, 1.0)
+    tl.store(out_ptr + row.to(tl.int64) * so_r + h * so_h + d, o.to(out_ptr.dtype.element_ty),
+             mask=d < D)
+    if WRITE_LSE:
+        tl.store(lse_ptr + row * sl_r + h,
+                 tl.where(tot > 0.0, mx_use + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf")))
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+# BLOCK_N None: picked per preset by _block_n. Measured on H200 (bench/results/decode_h200.md):
+# 128 tokens / 4 warps / register prefetch was fastest for turboquant_k3v4_nc; Triton's own
+# pipelining (num_stages > 1) routes the centroid gathers through shared memory and is 3-4x slower.
+DEFAULTS = {"BLOCK_N": None, "num_warps": 4, "num_stages": 1, "target_programs": 4,
+            "PREFETCH": True}
+
+
+def _block_n(spec) -> int:
+    """Largest tile that keeps the tile registers from spilling (ptxas reports, sm_90, 4 warps):
+    a rough count of the per-token columns the loop keeps live."""
+    kf, vf = spec.key_fields, spec.value_fields
+    v_tq = spec.meta["V_TQ"]
+    cost = (sum(f.dp for f in kf) + sum(f.dp for f in vf) * (2 if v_tq else 1)
+            + 16 * sum(f.cpw for f in vf))
+    return 128 if cost <= 300 else 64 if cost <= 420 else 32
+
+
+def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Tensor,
+                            block_table: torch.Tensor, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor | None = None,
+                            query_pos_start: torch.Tensor | None = None,
+                            scale: float | None = None, window: int | None = None,
+                            softcap: float = 0.0, return_lse: bool = False,
+                            max_query_len: int | None = None, num_splits: int | None = None,
+                            out: torch.Tensor | None = None, **tune):
+    """Triton decode attention; arguments and row semantics as decode_attention_ref.
+
+    ``max_query_len`` (rows per sequence, 1 without ``query_start_loc``) fixes the grid; when
+    omitted with ``query_start_loc`` it is read from the device (a host sync — pass it under CUDA
+    graphs). ``num_splits`` overrides the split count (default: enough programs to fill the GPU
+    ``target_programs`` times over).
+    """
+    rows, hq, d = q.shape
+    nb, hk, _ = kv_cache.shape
+    bs = cache_block_size(codec, kv_cache)
+    if d != codec.head_dim or hq % hk:
+        raise ValueError(f"q shape {tuple(q.shape)} does not fit {hk} KV heads at head size "
+                         f"{codec.head_dim}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q must be float16/bfloat16/float32, got {q.dtype}")
+    spec = kernel_spec(codec, bs)
+    cfg = {**DEFAULTS, **tune}
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = hq // hk
+    batch = seq_lens.numel()
+    if query_start_loc is None:
+        max_query_len = 1
+    elif max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    max_query_len = max(1, int(max_query_len))
+    block_m = max(16, min(64, next_pow2(max_query_len * group)))
+    row_blocks = triton.cdiv(max_query_len * group, block_m)
+    if num_splits is None:
+        want = cfg["target_programs"] * _num_sms(q.device)
+        num_splits = max(1, min(64, triton.cdiv(want, batch * hk * row_blocks)))
+    lut, rot = spec.tables_on(q.device)
+
+    if spec.meta["K_FP8"]:
+        qk = q
+    else:
+        qk = (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
+    part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
+    dummy = seq_lens
+    qsl = query_start_loc if query_start_loc is not None else dummy
+    qpos = query_pos_start if query_pos_start is not None else dummy
+    grid = (batch * hk, num_splits, row_blocks)
+    interp = q.device.type != "cuda"
+    _decode_split_kernel[grid](
+        qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+        block_table, block_table.stride(0), seq_lens, qsl, qpos, lut,
+        part, part.stride(0), part.stride(1), part.stride(2), plse, plse.stride(0), plse.stride(1),
+        default_scale(codec, scale), float(softcap or 0.0), int(window or 0),
+        spec.kfac, spec.vfac,
+        HAS_QSL=query_start_loc is not None, HAS_QPOS=query_pos_start is not None,
+        HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), GROUP=group, HK=hk,
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"] or _block_n(spec), NUM_SPLITS=num_splits,
+        PREFETCH=cfg["PREFETCH"],
+        FP8_NATIVE=not interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **spec.meta)
+
+    v_rot = spec.meta["V_TQ"]
+    if out is None:
+        out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
+    dst = torch.empty(rows, hq, d, dtype=torch.float32, device=q.device) if v_rot else out
+    lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else plse
+    _merge_kernel[(rows, hq)](
+        part, part.stride(0), part.stride(1), part.stride(2), plse, plse.stride(0),
+        plse.stride(1), dst, dst.stride(0), dst.stride(1), lse, lse.stride(0) if return_lse else 0,
+        S=num_splits, SP=next_pow2(num_splits), D=d, DP=next_pow2(d),
+        WRITE_LSE=return_lse, num_warps=4)
+    if v_rot:
+        out.copy_((dst.view(rows * hq, d) @ rot.T).view(rows, hq, d))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,213 @@
+"""Store kernel: quantize new K/V and write them into the paged TurboQuant cache (Triton).
+
+Math = :func:`tqattn.quant.paged.store_ref` (= ``TQCodec.encode`` with ``on_nonfinite=
+"propagate"`` + the page layout). One program per (token, block of up to 32 KV heads), one
+launch per layer per step, no host sync. The rotation is a fp32 ``tl.dot`` (IEEE, K-chunked)
+inside the kernel; division and square root use IEEE rounding so codes match the reference
+except where the different summation order of the norm / rotation moves a value across a
+bucket boundary (rare, bounded in the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.codec import TQCodec
+from ..quant.paged import cache_block_size
+from . import _tl
+from ._spec import kernel_spec, next_pow2
+
+
+@triton.jit
+def _fp8_e4m3(x):
+    """fp32 → e4m3fn byte, round-to-nearest-even, ±448 saturation, non-finite → 0x7F."""
+    fin = (x == x) & (tl.abs(x) != float("inf"))
+    xc = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    sign = (xc.to(tl.int32, bitcast=True) >> 31) & 1
+    ab = tl.abs(xc).to(tl.int32, bitcast=True)
+    e = (ab >> 23) - 127
+    m23 = ab & 0x7FFFFF
+    q = m23 >> 20
+    rem = m23 & 0xFFFFF
+    up = ((rem > 0x80000) | ((rem == 0x80000) & ((q & 1) == 1))).to(tl.int32)
+    normal = ((e + 7) << 3) + q + up
+    # below 2^-6: multiples of 2^-9, rounded to nearest even from the integer mantissa
+    sh = tl.minimum(14 - e, 31)
+    mant = m23 | 0x800000
+    k = mant >> sh
+    r2 = mant & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    sub = k + ((r2 > half) | ((r2 == half) & ((k & 1) == 1))).to(tl.int32)
+    r = tl.where(e < -6, sub, normal) | (sign << 7)
+    return tl.where(fin, r, 0x7F)
+
+
+@triton.jit
+def _store_codes(code, cache_ptr, base, off, h_ok, HB: tl.constexpr, BS: tl.constexpr,
+                 OFF: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
+                 GP: tl.constexpr, CPW: tl.constexpr):
+    """Pack codes [HB, GP·CPW] (natural coordinate order) into the field's page plane."""
+    if CPW == 1:
+        word = code
+    else:
+        sh = tl.arange(0, CPW) * BITS
+        word = tl.sum(tl.reshape(code, (HB, GP, CPW)) << sh[None, None, :], axis=2)
+    g = tl.arange(0, GP)[None, :]
+    m = h_ok[:, None] & (g < G)
+    ptr = cache_ptr + (base + OFF + off * G)[:, None] + g
+    for s in tl.static_range(W):
+        tl.store(ptr + s * BS * G, ((word >> (8 * s)) & 255).to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D: tl.constexpr, DP: tl.constexpr,
+            BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr, COUNT: tl.constexpr,
+            FDP: tl.constexpr):
+    """Rotated unit vectors restricted to coordinates [START, START+COUNT): [HB, FDP] fp32."""
+    j = tl.arange(0, FDP)
+    y = tl.zeros([HB, FDP], tl.float32)
+    for k0 in tl.static_range(0, DP, BK):
+        kk = k0 + tl.arange(0, BK)
+        xk = tl.load(x_ptr + rows[:, None] + kk[None, :], mask=h_ok[:, None] & (kk < D)[None, :],
+                     other=0.0).to(tl.float32)
+        uk = tl.math.div_rn(tl.where(bad[:, None], 0.0, xk), den[:, None])
+        r = tl.load(rot_ptr + kk[:, None] * D + START + j[None, :],
+                    mask=(kk < D)[:, None] & (j < COUNT)[None, :], other=0.0)
+        y += tl.dot(uk, r, input_precision="ieee")
+    return y
+
+
+@triton.jit
+def _bucketize(y, tab_ptr, BND: tl.constexpr, BITS: tl.constexpr):
+    code = tl.zeros(y.shape, tl.int32)
+    for i in tl.static_range((1 << BITS) - 1):
+        code += (y > tl.load(tab_ptr + BND + i)).to(tl.int32)
+    return code
+
+
+@triton.jit
+def _row_stats(x_ptr, rows, h_ok, D: tl.constexpr, DP: tl.constexpr):
+    """(row is non-finite [HB], x with bad rows zeroed [HB, DP], mask [HB, DP])."""
+    d = tl.arange(0, DP)
+    m = h_ok[:, None] & (d < D)[None, :]
+    x = tl.load(x_ptr + rows[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+    nonfin = (x != x) | (tl.abs(x) == float("inf"))
+    bad = tl.max(nonfin.to(tl.int32), axis=1) > 0
+    return bad, tl.where(bad[:, None], 0.0, x), m
+
+
+@triton.jit
+def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
+                 D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
+                 BS: tl.constexpr, N_OFF: tl.constexpr, HAS_F1: tl.constexpr,
+                 F0_OFF: tl.constexpr, F0_BITS: tl.constexpr, F0_W: tl.constexpr,
+                 F0_G: tl.constexpr, F0_GP: tl.constexpr, F0_CPW: tl.constexpr,
+                 F0_START: tl.constexpr, F0_COUNT: tl.constexpr, F0_BND: tl.constexpr,
+                 F1_OFF: tl.constexpr, F1_BITS: tl.constexpr, F1_W: tl.constexpr,
+                 F1_G: tl.constexpr, F1_GP: tl.constexpr, F1_CPW: tl.constexpr,
+                 F1_START: tl.constexpr, F1_COUNT: tl.constexpr, F1_BND: tl.constexpr):
+    """Norm + rotation + Lloyd–Max codes of x rows (the codec's _encode_unit)."""
+    bad, x, _ = _row_stats(x_ptr, rows, h_ok, D, DP)
+    nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
+    den = nrm + 1e-8
+    y = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D, DP, BK, HB, F0_START, F0_COUNT,
+                F0_GP * F0_CPW)
+    _store_codes(_bucketize(y, tab_ptr, F0_BND, F0_BITS), cache_ptr, base, off, h_ok, HB, BS,
+                 F0_OFF, F0_BITS, F0_W, F0_G, F0_GP, F0_CPW)
+    if HAS_F1:
+        y1 = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D, DP, BK, HB, F1_START, F1_COUNT,
+                     F1_GP * F1_CPW)
+        _store_codes(_bucketize(y1, tab_ptr, F1_BND, F1_BITS), cache_ptr, base, off, h_ok, HB,
+                     BS, F1_OFF, F1_BITS, F1_W, F1_G, F1_GP, F1_CPW)
+    _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
+
+
+@triton.jit
+def _store_kernel(
+        k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h, rot_ptr, tab_ptr,
+        HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
+        BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
+        K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
+        K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
+        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr,
+        K1_OFF: tl.constexpr, K1_BITS: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr,
+        K1_GP: tl.constexpr, K1_CPW: tl.constexpr, K1_START: tl.constexpr,
+        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr,
+        V_TQ: tl.constexpr, V_CORR: tl.constexpr, V_LEVELS: tl.constexpr, VN_OFF: tl.constexpr,
+        VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
+        V0_OFF: tl.constexpr, V0_BITS: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr,
+        V0_GP: tl.constexpr, V0_CPW: tl.constexpr, V0_START: tl.constexpr,
+        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr,
+        V1_OFF: tl.constexpr, V1_BITS: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr,
+        V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
+        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr,
+        PAD_OFF: tl.constexpr, PAD_N: tl.constexpr):
+    n = tl.program_id(0)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    if slot >= 0:
+        blk = slot // BS
+        off = slot % BS
+        h = tl.program_id(1) * HB + tl.arange(0, HB)
+        h_ok = h < HK
+        base = blk * sc_b + h.to(tl.int64) * sc_h
+        k_rows = n.to(tl.int64) * sk_n + h * sk_h
+        v_rows = n.to(tl.int64) * sv_n + h * sv_h
+
+        if K_FP8:
+            d = tl.arange(0, DP)
+            m = h_ok[:, None] & (d < D)[None, :]
+            x = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+            tl.store(cache_ptr + (base + K0_OFF + off * K0_G)[:, None] + d[None, :],
+                     _fp8_e4m3(x).to(tl.uint8), mask=m)
+        else:
+            _encode_unit(k_ptr, k_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP, BK,
+                         HB, BS, KN_OFF, HAS_K1, K0_OFF, K0_BITS, K0_W, K0_G, K0_GP, K0_CPW,
+                         K0_START, K0_COUNT, K0_BND, K1_OFF, K1_BITS, K1_W, K1_G, K1_GP, K1_CPW,
+                         K1_START, K1_COUNT, K1_BND)
+
+        if V_TQ:
+            _encode_unit(v_ptr, v_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP, BK,
+                         HB, BS, VN_OFF, HAS_V1, V0_OFF, V0_BITS, V0_W, V0_G, V0_GP, V0_CPW,
+                         V0_START, V0_COUNT, V0_BND, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW,
+                         V1_START, V1_COUNT, V1_BND)
+        else:
+            bad, v, m = _row_stats(v_ptr, v_rows, h_ok, D, V0_GP * V0_CPW)
+            vmin = tl.min(tl.where(m, v, float("inf")), axis=1)
+            vmax = tl.max(tl.where(m, v, float("-inf")), axis=1)
+            scale = tl.maximum(tl.math.div_rn(vmax - vmin, tl.full(vmax.shape, V_LEVELS, tl.float32)),
+                               1e-8)
+            qv = tl.floor(tl.math.div_rn(v - vmin[:, None], scale[:, None]) + 0.5)
+            qv = tl.minimum(tl.maximum(qv, 0.0), V_LEVELS * 1.0).to(tl.int32)
+            _store_codes(qv, cache_ptr, base, off, h_ok, HB, BS, V0_OFF, V0_BITS, V0_W, V0_G,
+                         V0_GP, V0_CPW)
+            _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), scale), h_ok, VS_OFF)
+            _tl.store_fp16(cache_ptr, base, off, vmin, h_ok, VZ_OFF)
+        if PAD_N > 0:
+            tl.store(cache_ptr + base + PAD_OFF + off, tl.zeros([HB], tl.uint8), mask=h_ok)
+
+
+def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place."""
+    n, hk, d = key.shape
+    if value.shape != key.shape or d != codec.head_dim or kv_cache.shape[1] != hk:
+        raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit a cache "
+                         f"of {kv_cache.shape[1]} KV heads at head size {codec.head_dim}")
+    if n == 0:
+        return
+    bs = cache_block_size(codec, kv_cache)
+    spec = kernel_spec(codec, bs)
+    tab, rot = spec.tables_on(key.device)
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    hb = max(16, min(32, next_pow2(hk)))
+    dp = spec.meta["DP"]
+    _store_kernel[(n, triton.cdiv(hk, hb))](
+        key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
+        HK=hk, HB=hb, BK=min(32, dp), num_warps=4, **spec.meta)

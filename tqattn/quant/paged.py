@@ -1,0 +1,212 @@
+"""The paged TurboQuant KV cache: its byte layout and plain-PyTorch reference operations.
+
+Each reference here is the twin of a Triton kernel in ``tqattn/kernels`` (store, decode
+attention, dequantize) and is built from :class:`TQCodec` — the kernels must compute exactly
+this.
+
+Cache layout
+------------
+One uint8 tensor per layer, shape ``(num_blocks, num_kv_heads, block_size * slot_bytes)``
+(:func:`kv_cache_shape`): a *page* of ``block_size * slot_bytes`` bytes per (block, KV head),
+exactly the bytes of ``block_size`` codec slots (``layout.slot_bytes``), rearranged so that a
+kernel reading a tile of tokens issues wide coalesced loads:
+
+* the page is split into one *plane* per slot field (``layout.fields``, in slot order); the
+  plane of field ``f`` starts at byte ``block_size * f.offset`` and holds that field for all
+  ``block_size`` tokens, token after token (fp16 norms/scales/minimums therefore form a plain
+  fp16 array ``[block_size]``);
+* a 3-bit code field whose size is a multiple of 3 (8 codes = one little-endian 24-bit word)
+  is further split into three sub-planes: sub-plane ``s`` holds byte ``3g + s`` of every word
+  ``g``, token after token — so the bytes a kernel combines into one word sit at the same
+  offset of three contiguous arrays;
+* the slot's pad byte (slots are padded to an even size) goes to a tail of ``block_size``
+  bytes at the end of the page; it is always 0.
+
+So byte ``j`` of field ``f`` of the token at page offset ``t`` lives at
+``block_size·f.offset + s·block_size·G + t·G + g`` with ``W = 3`` (3-bit, size % 3 == 0) or 1,
+``G = f.nbytes / W``, ``s = j % W``, ``g = j // W``; :func:`page_positions` tabulates it.
+With block sizes that are multiples of 16 every plane starts 16-byte aligned. Pages are
+addressed through ``block_table`` with vLLM's slot convention ``slot = block·block_size +
+offset``; a negative slot in ``slot_mapping`` is padding and is skipped.
+
+Row semantics of decode attention
+---------------------------------
+``q`` is ``(num_rows, Hq, D)``; sequence ``b`` owns rows ``[qsl[b], qsl[b+1])``
+(``query_start_loc`` None: one row per sequence). Row ``i`` of sequence ``b`` sits at absolute
+position ``pos = query_pos_start[b] + i`` (default ``seq_lens[b] − q_len``: the rows' own tokens
+are the last ones in the cache) and sees the cache keys ``[lo, hi)`` with
+``hi = min(seq_lens[b], pos + 1)`` and ``lo = max(0, pos − window + 1)`` under a sliding window
+(else 0). A row that sees no key gives output 0 and LSE −inf. Scores are ``scale·⟨q, k⟩``,
+then ``softcap·tanh(s/softcap)`` when ``softcap`` > 0; the LSE is the natural log-sum-exp of the
+final scores, ``(num_rows, Hq)`` fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from .attention_ref import attention_on_codes
+from .codec import TQCodec
+from .layout import Field, build_layout
+
+
+def _is_fp16_field(f: Field) -> bool:
+    return f.count == 0 and f.nbytes == 2
+
+
+def field_words(f: Field) -> int:
+    """Bytes per word of a packed field as laid out in the page: 3 for 3-bit sub-planes, else 1."""
+    return 3 if (not _is_fp16_field(f) and f.bits == 3 and f.nbytes % 3 == 0) else 1
+
+
+@lru_cache(maxsize=None)
+def _page_positions(preset, head_dim: int, block_size: int) -> torch.Tensor:
+    layout = build_layout(preset, head_dim)
+    slot = layout.slot_bytes
+    pos = torch.empty(block_size, slot, dtype=torch.int64)
+    t = torch.arange(block_size)[:, None]
+    used = 0
+    for f in layout.fields.values():
+        w = field_words(f)
+        g_count = f.nbytes // w
+        j = torch.arange(f.nbytes)[None, :]
+        pos[:, f.offset:f.offset + f.nbytes] = (block_size * f.offset + (j % w) * block_size * g_count
+                                                + t * g_count + j // w)
+        used = max(used, f.offset + f.nbytes)
+    if slot > used:
+        j = torch.arange(slot - used)[None, :]
+        pos[:, used:] = block_size * used + t * (slot - used) + j
+    return pos
+
+
+def page_positions(codec: TQCodec, block_size: int) -> torch.Tensor:
+    """(block_size, slot_bytes) int64: where byte j of the slot of page offset t lives in the page."""
+    return _page_positions(codec.preset, codec.head_dim, block_size)
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                   codec: TQCodec) -> tuple[int, int, int]:
+    """Shape of one layer's uint8 paged cache (see the module docstring for the byte layout)."""
+    if block_size <= 0 or block_size % 2:
+        raise ValueError(f"block size {block_size} not supported: need a positive even number "
+                         f"(the kernels take powers of two >= 16)")
+    return (num_blocks, num_kv_heads, block_size * codec.slot_bytes)
+
+
+def cache_block_size(codec: TQCodec, kv_cache: torch.Tensor) -> int:
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3 or kv_cache.shape[-1] % codec.slot_bytes:
+        raise ValueError(f"kv_cache must be uint8 (num_blocks, num_kv_heads, block_size * "
+                         f"{codec.slot_bytes}) for preset {codec.preset.name} at head size "
+                         f"{codec.head_dim}, got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    return kv_cache.shape[-1] // codec.slot_bytes
+
+
+# ---- store / gather ---------------------------------------------------------------------------------
+
+def store_ref(codec: TQCodec, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    """Encode key/value (N, Hk, D) and write them at slot_mapping (N,) into kv_cache, in place.
+
+    Non-finite vectors are stored with NaN markers (the codec's ``on_nonfinite="propagate"``).
+    """
+    bs = cache_block_size(codec, kv_cache)
+    n, hk, _ = key.shape
+    if kv_cache.shape[1] != hk:
+        raise ValueError(f"key has {hk} KV heads, cache has {kv_cache.shape[1]}")
+    keep = slot_mapping >= 0
+    if not bool(keep.any()):
+        return
+    slots = codec.encode(key[keep], value[keep], on_nonfinite="propagate")      # (n', Hk, S)
+    sm = slot_mapping[keep].long()
+    pos = page_positions(codec, bs).to(kv_cache.device)[sm % bs]                  # (n', S)
+    blk = (sm // bs)[:, None, None]
+    heads = torch.arange(hk, device=kv_cache.device)[None, :, None]
+    kv_cache[blk, heads, pos[:, None, :]] = slots
+
+
+def gather_slots_ref(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor) -> list[torch.Tensor]:
+    """Paged cache → one (seq_len, Hk, slot_bytes) tensor of codec slots per sequence."""
+    bs = cache_block_size(codec, kv_cache)
+    pos_tab = page_positions(codec, bs).to(kv_cache.device)
+    hk = kv_cache.shape[1]
+    heads = torch.arange(hk, device=kv_cache.device)[None, :, None]
+    out = []
+    for b, length in enumerate(seq_lens.tolist()):
+        t = torch.arange(length, device=kv_cache.device)
+        blk = block_table[b, t // bs].long()[:, None, None]
+        out.append(kv_cache[blk, heads, pos_tab[t % bs][:, None, :]])
+    return out
+
+
+# ---- decode attention -------------------------------------------------------------------------------
+
+def _row_layout(seq_lens, query_start_loc, query_pos_start, num_rows):
+    b = seq_lens.numel()
+    if query_start_loc is None:
+        if num_rows != b:
+            raise ValueError(f"q has {num_rows} rows but there are {b} sequences; pass "
+                             f"query_start_loc for several rows per sequence")
+        qsl = list(range(b + 1))
+    else:
+        qsl = query_start_loc.tolist()
+        if len(qsl) != b + 1 or qsl[-1] > num_rows:
+            raise ValueError(f"query_start_loc {qsl} does not fit {b} sequences and {num_rows} rows")
+    lens = seq_lens.tolist()
+    if query_pos_start is None:
+        starts = [lens[i] - (qsl[i + 1] - qsl[i]) for i in range(b)]
+    else:
+        starts = query_pos_start.tolist()
+    return qsl, lens, starts
+
+
+def decode_attention_ref(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Tensor,
+                         block_table: torch.Tensor, seq_lens: torch.Tensor,
+                         query_start_loc: torch.Tensor | None = None,
+                         query_pos_start: torch.Tensor | None = None, scale: float | None = None,
+                         window: int | None = None, softcap: float = 0.0,
+                         return_lse: bool = False):
+    """Attention of q (rows, Hq, D) over the paged compressed cache → fp32 (rows, Hq, D) [, lse].
+
+    Row semantics: see the module docstring.
+    """
+    rows, hq, d = q.shape
+    hk = kv_cache.shape[1]
+    if d != codec.head_dim or hq % hk:
+        raise ValueError(f"q shape {tuple(q.shape)} does not fit {hk} KV heads at head size "
+                         f"{codec.head_dim}")
+    qsl, lens, starts = _row_layout(seq_lens, query_start_loc, query_pos_start, rows)
+    slots_all = gather_slots_ref(codec, kv_cache, block_table, seq_lens)
+    out = torch.zeros(rows, hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((rows, hq), -math.inf, dtype=torch.float32, device=q.device)
+    for b, slots in enumerate(slots_all):
+        r0, r1 = qsl[b], qsl[b + 1]
+        if r1 == r0 or lens[b] == 0:
+            continue
+        pos = starts[b] + torch.arange(r1 - r0, device=q.device)
+        out[r0:r1], lse[r0:r1] = attention_on_codes(
+            codec, q[r0:r1], slots, scale=scale, kv_lens=torch.clamp(pos + 1, max=lens[b]),
+            row_pos=pos, window=window, softcap=softcap, return_lse=True)
+    return (out, lse) if return_lse else out
+
+
+# ---- dequantize -------------------------------------------------------------------------------------
+
+def dequant_ref(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """Paged cache → K, V (sum(seq_lens), Hk, D) in the original basis, packed by sequence
+    (sequence b at rows cu_seqlens[b]:cu_seqlens[b+1], cu_seqlens = [0, cumsum(seq_lens)])."""
+    ks, vs = [], []
+    for slots in gather_slots_ref(codec, kv_cache, block_table, seq_lens):
+        if slots.numel() == 0:
+            continue
+        k, v = codec.decode(slots)
+        ks.append(k)
+        vs.append(v)
+    if not ks:
+        d, hk = codec.head_dim, kv_cache.shape[1]
+        return (torch.zeros(0, hk, d, dtype=dtype, device=kv_cache.device),) * 2
+    return torch.cat(ks).to(dtype), torch.cat(vs).to(dtype)

@@ -1,0 +1,78 @@
+import argparse
+import json
+
+import pytest
+
+from tqattn.evals import cli, gsm8k
+
+from .conftest import FakeLLM, last_question
+
+
+def _parser():
+    ap = argparse.ArgumentParser(prog="tqattn")
+    add = ap.add_subparsers(dest="command", required=True)
+    cli.add_eval_parser(add)
+    return ap
+
+
+def _run(argv):
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+def test_parser_shapes():
+    ap = _parser()
+    a = ap.parse_args(["eval", "gsm8k", "--config", "SmolLM2-135M-auto", "--limit", "2", "--model", "m"])
+    assert (a.config, a.limit, a.model) == ("SmolLM2-135M-auto", 2, "m")
+    a = ap.parse_args(["eval", "ppl", "--presets", "tq_k3v4,turboquant_k3v4_nc", "--context", "2048",
+                       "--context", "8192", "--engine-arg", "max_model_len=8192"])
+    assert a.presets == ["tq_k3v4", "turboquant_k3v4_nc"] and a.context == [2048, 8192]
+    assert cli._engine_args(a.engine_arg) == {"max_model_len": 8192}
+    a = ap.parse_args(["eval", "niah", "--contexts", "1024,2048", "--depths", "0.25,0.75"])
+    assert (a.contexts, a.depths) == ([1024, 2048], [0.25, 0.75])
+    a = ap.parse_args(["eval", "report", "--skip", "niah,gsm"])
+    assert a.plan == "cpu" and a.skip == ["niah", "gsm"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "ppl", "--presets", "tq_k9"],
+    ["eval", "gsm8k", "--limit", "0"],
+    ["eval", "niah", "--depths", "a,b"],
+])
+def test_bad_arguments_exit(argv, capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(argv)
+    assert "error" in capsys.readouterr().err
+
+
+def test_score_start_values():
+    assert cli._score_start("chunk", 256, 2048) == 256
+    assert cli._score_start("half", 256, 2048) == 1024
+    assert cli._score_start("300", 256, 2048) == 300
+    with pytest.raises(SystemExit, match="--score-start"):
+        cli._score_start("most", 256, 2048)
+
+
+def test_gsm8k_list_and_report_dry_run(capsys):
+    assert _run(["eval", "gsm8k", "--list"]) == 0
+    assert "Qwen3-4B-TQ-k3v4nc" in capsys.readouterr().out.split()
+    assert _run(["eval", "report", "--plan", "cpu", "--dry-run", "--model", "default"]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M-Instruct: ~" in out and "Qwen" not in out
+    with pytest.raises(SystemExit, match="no model"):
+        _run(["eval", "report", "--dry-run", "--model", "nope"])
+
+
+def test_gsm8k_command_writes_json_and_sets_exit_code(tmp_path, monkeypatch, fake_params, capsys):
+    from tqattn.evals.data import gsm_symbolic_items
+
+    gold = {it.question: it.answer for it in gsm_symbolic_items(3, 1234)}
+    monkeypatch.setattr(gsm8k.scoring, "llm_factory",
+                        lambda *a, **k: lambda kv: FakeLLM(kv, lambda _, p: f"#### {gold[last_question(p)]}"))
+    out = tmp_path / "r.json"
+    rc = _run(["eval", "gsm8k", "--config", "Qwen2.5-Coder-0.5B-TQ-k3v4nc", "--limit", "3",
+               "--output", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["accuracy"] == 1.0 and len(res["samples"]) == 3
+    assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["passed"] is True

@@ -1,0 +1,248 @@
+"""`tqattn eval ...`: wired into tqattn/cli.py with `add_eval_parser(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+DEFAULT_PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                   "turboquant_3bit_nc", "tq_k4v4", "tq_k3.5v3.5", "tq_k4v3", "tq_k3v4"]
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    ev = subparsers.add_parser("eval", help="accuracy evals: gsm8k, ppl, niah, report")
+    sub = ev.add_subparsers(dest="eval_command", required=True)
+
+    p = sub.add_parser("gsm8k", help="few-shot chain-of-thought GSM8K-style accuracy with a pass gate")
+    p.add_argument("--config", help="YAML path or shipped config name (see --list)")
+    p.add_argument("--list", action="store_true", help="list the shipped configs and exit")
+    p.add_argument("--limit", type=_positive, help="evaluate only the first N questions")
+    p.add_argument("--model", help="override the config's model (a local path, a .gguf, 'default')")
+    p.add_argument("--load-format", help="override the config's load_format (e.g. dummy)")
+    p.add_argument("--data", help="a GSM8K-format JSONL path, or gsm_symbolic[:SEED]")
+    p.add_argument("--output", help="write the full result (with every sample) as JSON here")
+    p.set_defaults(func=cmd_gsm8k)
+
+    p = sub.add_parser("ppl", help="perplexity, KL vs the auto cache and top-1 agreement per preset")
+    _model_args(p)
+    p.add_argument("--source", action="append", choices=["shakespeare", "gsm_cot"],
+                   help="text source (repeatable; default shakespeare)")
+    p.add_argument("--context", action="append", type=_positive,
+                   help="window length in tokens (repeatable; default 2048)")
+    p.add_argument("--chunk-size", type=_positive, default=256)
+    p.add_argument("--min-tokens", type=_positive, default=20_000, help="scored tokens per spec")
+    p.add_argument("--score-start", default="chunk",
+                   help="first scored position in each window: 'chunk' (= chunk size), 'half' or N")
+    p.add_argument("--block-tokens", type=_positive, default=1024, help="bootstrap unit size")
+    p.add_argument("--output", help="JSON output path")
+    p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("niah", help="needle-in-a-haystack grid with heat maps per preset")
+    _model_args(p)
+    p.add_argument("--contexts", type=_int_list, default=[2048, 4096, 8192])
+    p.add_argument("--depths", type=_float_list, default=[0.1, 0.5, 0.9])
+    p.add_argument("--trials", type=_positive, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="niah_out", help="JSON and PNG heat maps go here")
+    p.set_defaults(func=cmd_niah)
+
+    p = sub.add_parser("report", help="preset sweep: one table (md + json) and a quality-vs-bits plot")
+    p.add_argument("--plan", default="cpu", help="report plan YAML path or shipped name (cpu, cpu-quick)")
+    p.add_argument("--model", action="append", help="run only the plan's models with this name or model")
+    p.add_argument("--presets", type=_presets, help="comma-separated presets (overrides the plan)")
+    p.add_argument("--skip", type=_str_list, default=[], help="comma-separated parts to skip: ppl,niah,gsm")
+    p.add_argument("--out-dir", default="eval_report")
+    p.add_argument("--dry-run", action="store_true", help="print the work estimate and exit")
+    p.set_defaults(func=cmd_report)
+    return ev
+
+
+def _model_args(p):
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct), a local path, or "
+                        "internal:qwen2.5-coder-0.5b-instruct (internal evaluation only)")
+    p.add_argument("--load-format")
+    p.add_argument("--presets", type=_presets, default=DEFAULT_PRESETS,
+                   help="comma-separated kv_cache_dtype presets; 'auto' is always the reference")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra LLM(...) argument, value parsed as JSON when possible (repeatable)")
+
+
+def _setup_logging():
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def _engine_args(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--engine-arg expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _write_json(obj, path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=1))
+        print(f"wrote {path}")
+
+
+def cmd_gsm8k(args) -> int:
+    from . import gsm8k
+
+    if args.list:
+        for name in gsm8k.list_configs():
+            print(name)
+        return 0
+    if not args.config:
+        raise SystemExit("eval gsm8k: --config is required (or --list)")
+    _setup_logging()
+    cfg = gsm8k.override(gsm8k.load_config(args.config), model=args.model, data=args.data,
+                         load_format=args.load_format)
+    res = gsm8k.run_gsm8k(cfg, limit=args.limit)
+    _write_json(res, args.output)
+    summary = {k: res[k] for k in ("config", "model", "kv_cache_dtype", "num_questions",
+                                   "accuracy", "auto_accuracy", "checks", "passed", "elapsed_s")}
+    print(json.dumps(summary, indent=1))
+    return 0 if res["passed"] else 1
+
+
+def _score_start(value: str, chunk: int, context: int) -> int:
+    if value == "chunk":
+        return chunk
+    if value == "half":
+        return context // 2
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"--score-start must be 'chunk', 'half' or an integer, got {value!r}") from None
+
+
+def cmd_ppl(args) -> int:
+    from . import ppl, scoring
+
+    _setup_logging()
+    specs = [ppl.PPLSpec(source=s, context_len=c, chunk_size=args.chunk_size,
+                         min_tokens=args.min_tokens, block_tokens=args.block_tokens,
+                         score_start=_score_start(args.score_start, args.chunk_size, c))
+             for c in (args.context or [2048]) for s in (args.source or ["shakespeare"])]
+    factory = scoring.llm_factory(args.model, load_format=args.load_format,
+                                  engine_args={"enable_prefix_caching": False,
+                                               **_engine_args(args.engine_arg)})
+    res = ppl.run_ppl(factory, args.presets, specs)
+    _write_json(res, args.output)
+    for s in res["specs"]:
+        print(f"\n{s['name']}: {s['scored_tokens']} scored tokens, reference PPL "
+              f"{s['reference_ppl']['value']:.3f}")
+        for p, f in s["presets"].items():
+            print(f"  {p:22s} PPL {f['ppl_delta_pct']['value']:+7.2f} %  KL {f['kl']['value']:.5f} "
+                  f"[{f['kl']['low']:.5f}, {f['kl']['high']:.5f}]  top-1 {f['top1']['value']:.4f}")
+    return 0
+
+
+def cmd_niah(args) -> int:
+    from . import niah, scoring
+
+    _setup_logging()
+    factory = scoring.llm_factory(args.model, load_format=args.load_format,
+                                  engine_args=_engine_args(args.engine_arg))
+    res = niah.run_niah(factory, args.presets, contexts=args.contexts, depths=args.depths,
+                        trials=args.trials, seed=args.seed)
+    out = Path(args.out_dir)
+    _write_json(res, str(out / "niah.json"))
+    for path in niah.plot_heatmaps(res, out, args.model):
+        print(f"wrote {path}")
+    for p, r in res["presets"].items():
+        print(f"  {p:22s} {r['accuracy']:.3f}")
+    return 0
+
+
+def estimate(plan: dict) -> list[dict]:
+    """Tokens each model will prefill (perplexity windows + NIAH prompts), for budgeting."""
+    from .ppl import PPLSpec
+
+    out = []
+    for m in plan["models"]:
+        n_presets = len(set(m.get("presets") or plan.get("presets", []))
+                        | {plan.get("baseline", "turboquant_k3v4_nc")}) + 1
+        ppl_tokens = sum(PPLSpec(**s).num_windows * s.get("context_len", 2048)
+                         for s in m.get("ppl") or []) * n_presets
+        nh = m.get("niah") or {}
+        niah_presets = len(nh["presets"]) + 1 if "presets" in nh else n_presets
+        niah_tokens = (sum(nh.get("contexts", [])) * len(nh.get("depths", []))
+                       * nh.get("trials", 1) * niah_presets)
+        out.append({"model": m.get("name") or m["model"], "ppl_tokens": ppl_tokens,
+                    "niah_tokens": niah_tokens})
+    return out
+
+
+def cmd_report(args) -> int:
+    from . import report
+
+    plan = report.load_plan(args.plan)
+    if args.presets:
+        plan["presets"] = args.presets
+        for m in plan["models"]:
+            m.pop("presets", None)
+    if args.model:
+        plan["models"] = [m for m in plan["models"]
+                          if m.get("name") in args.model or m["model"] in args.model]
+        if not plan["models"]:
+            raise SystemExit(f"no model of plan {args.plan!r} matches {args.model}")
+    for e in estimate(plan):
+        print(f"{e['model']}: ~{e['ppl_tokens']:,} tokens of perplexity prefill, "
+              f"~{e['niah_tokens']:,} tokens of NIAH prefill")
+    if args.dry_run:
+        return 0
+    _setup_logging()
+    command = "tqattn eval report " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+    rep = report.run_report(plan, args.out_dir, command=command, plan_name=args.plan,
+                            skip=set(args.skip))
+    print(report.markdown(rep))
+    print(f"wrote {args.out_dir}/report.md, report.json, quality_vs_bits.png")
+    return 0
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def _str_list(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _presets(s: str) -> list[str]:
+    from tqattn.quant.presets import PRESETS
+
+    names = _str_list(s)
+    bad = [n for n in names if n not in PRESETS and n != "auto"]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown presets {bad}; valid: {', '.join(PRESETS)}")
+    return names
+
+
+def _int_list(s: str) -> list[int]:
+    return [_positive(x) for x in _str_list(s)]
+
+
+def _float_list(s: str) -> list[float]:
+    try:
+        return [float(x) for x in _str_list(s)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None

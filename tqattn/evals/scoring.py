@@ -1,0 +1,175 @@
+"""The evals' only contact with the engine: build an LLM, generate, score token sequences.
+
+Everything else in tqattn/evals talks to the engine through these functions, so a change of
+engine API is a change here. Tests pass duck-typed fakes with the same methods.
+
+Engine API assumed (vLLM's offline shape plus one scoring call):
+
+* ``LLM(model=..., kv_cache_dtype=..., load_format=..., **engine_args)``
+* ``llm.generate(prompts: list[str], SamplingParams(...)) -> [out]`` with ``out.outputs[0].text``
+* ``llm.get_tokenizer()`` -> the Hugging Face tokenizer (chat template, token counting)
+* ``llm.score(prompt_token_ids: list[int], *, chunk_size: int, logprobs_start: int)
+  -> torch.Tensor`` float32, shape ``(len(prompt_token_ids) - logprobs_start, vocab_size)``:
+  row j is log_softmax of the logits at position ``logprobs_start - 1 + j``, i.e. the model's
+  log-distribution of token ``prompt_token_ids[logprobs_start + j]`` given all tokens before it.
+  The sequence is prefilled as consecutive chunks of ``chunk_size`` tokens (the last may be
+  shorter), each one engine step through the normal cache path: the chunk's K/V is written to
+  the (compressed) cache and its queries attend to the cached history of the earlier chunks —
+  compressed on TurboQuant layers — plus the raw K/V of their own chunk, exactly as chunked
+  prefill of a generate() request with max_num_batched_tokens = chunk_size. Its blocks are freed
+  afterwards. Rows before ``logprobs_start - 1`` need no LM head.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Callable
+
+import torch
+
+
+class EngineUnavailable(RuntimeError):
+    pass
+
+
+def engine_available() -> bool:
+    try:
+        from tqattn import LLM, SamplingParams  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _engine():
+    try:
+        from tqattn import LLM, SamplingParams
+    except ImportError as e:
+        raise EngineUnavailable(
+            "the offline engine (tqattn.LLM / tqattn.SamplingParams) is not available in this "
+            f"install: {e}") from e
+    return LLM, SamplingParams
+
+
+def make_llm(model: str, kv_cache_dtype: str, *, load_format: str | None = None,
+             engine_args: dict | None = None) -> Any:
+    from .data import resolve_model
+
+    LLM, _ = _engine()
+    kwargs = dict(engine_args or {})
+    if load_format is not None:
+        kwargs["load_format"] = load_format
+    return LLM(model=resolve_model(model), kv_cache_dtype=kv_cache_dtype, **kwargs)
+
+
+LLMFactory = Callable[[str], Any]  # kv_cache_dtype -> llm
+
+
+def llm_factory(model: str, *, load_format: str | None = None,
+                engine_args: dict | None = None) -> LLMFactory:
+    return lambda kv_cache_dtype: make_llm(model, kv_cache_dtype, load_format=load_format,
+                                           engine_args=engine_args)
+
+
+def with_llm(factory: LLMFactory, kv_cache_dtype: str, fn: Callable[[Any], Any]) -> Any:
+    """fn(llm) with a freshly built LLM that is dropped before returning, so that the next
+    build never has two models in memory."""
+    llm = factory(kv_cache_dtype)
+    try:
+        return fn(llm)
+    finally:
+        close = getattr(llm, "close", None) or getattr(llm, "shutdown", None)
+        if callable(close):
+            close()
+        del llm
+        gc.collect()
+
+
+def get_tokenizer(llm: Any) -> Any:
+    getter = getattr(llm, "get_tokenizer", None)
+    tok = getter() if callable(getter) else getattr(llm, "tokenizer", None)
+    if tok is None:
+        raise ValueError("this model has no tokenizer; text evals need one (load a model with a "
+                         "tokenizer, e.g. a GGUF file or a HF directory with tokenizer files)")
+    return tok
+
+
+def greedy_params(max_tokens: int, stop: list[str] | None = None) -> Any:
+    _, SamplingParams = _engine()
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=stop or [])
+
+
+def generate_texts(llm: Any, prompts: list[str], params: Any) -> list[str]:
+    outs = llm.generate(prompts, params)
+    if len(outs) != len(prompts):
+        raise RuntimeError(f"engine returned {len(outs)} outputs for {len(prompts)} prompts")
+    return [o.outputs[0].text for o in outs]
+
+
+def score_tokens(llm: Any, token_ids: list[int], chunk_size: int, start: int) -> torch.Tensor:
+    """Log-probs (len - start, vocab) float32 of tokens[start:] under chunked prefill (see above)."""
+    n = len(token_ids)
+    if not 1 <= start < n:
+        raise ValueError(f"start={start} must be in [1, {n - 1}] for a {n}-token sequence")
+    score = getattr(llm, "score", None)
+    if callable(score):
+        out = score(list(token_ids), chunk_size=chunk_size, logprobs_start=start)
+    elif hasattr(llm, "llm_engine"):
+        out = _score_via_engine_internals(llm, list(token_ids), chunk_size, start)
+    else:
+        raise EngineUnavailable("the engine has no LLM.score(prompt_token_ids, chunk_size=, "
+                                "logprobs_start=); perplexity/KL evals need it (tqattn/evals/scoring.py)")
+    if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != n - start:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise RuntimeError(f"LLM.score returned {shape}; expected ({n - start}, vocab) log-probs")
+    return out.float()
+
+
+_warned = False
+
+
+@torch.inference_mode()
+def _score_via_engine_internals(llm: Any, ids: list[int], chunk_size: int, start: int) -> torch.Tensor:
+    """INTERIM, until the engine has LLM.score: the same computation through engine internals.
+
+    Runs ``generate`` on ids[:-1] with max_tokens=1 (so a window may be max_model_len long),
+    with the scheduler's token budget set to `chunk_size` for the call, and wraps the model
+    runner's forward to keep the logits of every prefill position (it normally keeps only the
+    last). Raises if the prefill did not run as consecutive chunks of `chunk_size` tokens (e.g.
+    a prefix-cache hit shifted them).
+    """
+    global _warned
+    if not _warned:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "LLM.score is missing: scoring through engine internals (scheduler budget + model "
+            "runner forward); replace with LLM.score when the engine has it")
+        _warned = True
+    _, SamplingParams = _engine()
+    eng = llm.llm_engine
+    runner, cfg = eng.runner, eng.scheduler.config
+    n = len(ids)
+    rows: list[torch.Tensor] = []
+    seen: list[tuple[int, int]] = []
+    orig_forward, orig_budget = runner.forward, cfg.max_num_batched_tokens
+
+    def forward(input_ids, positions, metadata, sample_idx):
+        m = input_ids.shape[0]
+        logits = orig_forward(input_ids, positions, metadata, list(range(m)))
+        p0 = int(positions[0])
+        seen.append((p0, m))
+        keep = torch.arange(m) + p0 >= start - 1   # rows predicting tokens start..n-1
+        rows.append(torch.log_softmax(logits[keep.to(logits.device)].float(), -1).cpu())
+        return logits[sample_idx]
+
+    runner.forward, cfg.max_num_batched_tokens = forward, chunk_size
+    try:
+        llm.generate([{"prompt_token_ids": ids[:-1]}], SamplingParams(temperature=0.0, max_tokens=1),
+                     use_tqdm=False)
+    finally:
+        runner.forward, cfg.max_num_batched_tokens = orig_forward, orig_budget
+    expected = [(p, min(chunk_size, n - 1 - p)) for p in range(0, n - 1, chunk_size)]
+    if seen != expected:
+        raise RuntimeError(f"prefill ran as chunks {seen[:4]}...; expected {expected[:4]}... "
+                           "(disable prefix caching for scoring)")
+    return torch.cat(rows)

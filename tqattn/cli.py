@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each PROMPT is a comma-separated list of token ids (models without a tokenizer)")
     p.add_argument("--json", action="store_true", help="print tokens, text, timings and the cache plan as JSON")
     p.set_defaults(func=cmd_generate)
+    from .evals.cli import add_eval_parser
+
+    add_eval_parser(sub)
     return ap
 
 

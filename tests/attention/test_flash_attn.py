@@ -1,12 +1,16 @@
+import dataclasses
+
 import pytest
 import torch
 
 from tqattn.attention import fa_utils
+from tqattn.attention.backend import CommonAttentionMetadata
 from tqattn.attention import flash_attn as fa_mod
 from tqattn.attention.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                          FlashAttentionMetadataBuilder, scatter_rows)
 
-from .batch_utils import attention, history_batch, make_batch, num_blocks, random_qkv, spec
+from .batch_utils import (BLOCK_SIZE, attention, history_batch, make_batch, num_blocks, random_qkv,
+                          spec)
 
 DECODES = [(20, 1), (5, 1), (47, 1)]
 PREFILLS = [(0, 37), (0, 5), (0, 1)]
@@ -196,3 +200,165 @@ def test_fa3_paged_path_and_aot_scheduling(monkeypatch):
     builder = FlashAttentionMetadataBuilder({"a": impl, "b": other}, "cpu")
     assert not builder.aot_schedule
     assert builder.build(batch.common).scheduler_metadata is None
+
+
+# --------------------------------------------------------------------------------------------
+# Pure decode: graph-safe paged path (metadata = views, fixed shapes for a fixed batch size)
+# --------------------------------------------------------------------------------------------
+
+
+def _filled_cache(s, nblk, gen):
+    """A cache whose every slot holds random K/V (what other requests or stale steps left)."""
+    shape = FlashAttentionBackend.kv_cache_shape(nblk, BLOCK_SIZE, s)
+    return torch.randn(shape, generator=gen).to(s.dtype)
+
+
+def _decode_ref(s, q, kv_cache, table, seq_lens):
+    """Plain attention of each decode row over the cache positions [0, seq_len)."""
+    ref = torch.zeros(q.shape, dtype=torch.float32)
+    for b, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        pos = torch.arange(n)
+        slots = table[b, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+        k, v = (kv_cache[i].flatten(0, 1)[slots] for i in (0, 1))
+        ref[b:b + 1] = attention(q[b:b + 1], k, v, pos[-1:], pos, s.scale, s.sliding_window,
+                                 s.logits_soft_cap)
+    return ref
+
+
+def _bucket_common(seq_lens, table, slots):
+    """The runner's graph-bucket metadata: one token per row, padding rows seq_len 0, slot −1."""
+    bs = len(seq_lens)
+    ones = torch.ones(bs, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=torch.arange(bs + 1, dtype=torch.int32, device=seq_lens.device),
+        seq_lens=seq_lens,
+        num_computed_tokens=(seq_lens - 1).clamp_min(0), block_table=table, slot_mapping=slots,
+        query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32), seq_lens_cpu=ones,
+        num_computed_tokens_cpu=ones, num_reqs=bs, num_actual_tokens=bs, max_query_len=1,
+        max_seq_len=table.shape[1] * BLOCK_SIZE, num_decodes=bs, num_decode_tokens=bs,
+        block_size=BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (8, 0.0), (20, 3.0)])
+def test_pure_decode_equals_the_planned_gather_path(window, softcap):
+    s = spec(hq=8, hk=2, window=window, softcap=softcap)
+    gen = torch.Generator().manual_seed(1)
+    batch = make_batch([(20, 1), (5, 1), (47, 1), (0, 1), (63, 1)], gen=gen)  # shuffled blocks
+    kv_cache = _filled_cache(s, num_blocks(batch), gen)
+    q = torch.randn(5, 8, 16, generator=gen)
+    impl = FlashAttentionImpl(s, fa_version=None)
+    builder = FlashAttentionMetadataBuilder({s.name: impl}, "cpu")
+    md = builder.build(batch.common)
+    assert md.decode_only and not md.kv_gathers
+    out = impl.forward(q, q[:, :2], q[:, :2], kv_cache, md)
+    planned = builder.build(dataclasses.replace(batch.common, num_decodes=0))
+    assert not planned.decode_only and planned.kv_gathers
+    # The gather path packs [cached prefix ‖ raw chunk]; the chunk's K/V are what the cache holds.
+    slots = batch.common.slot_mapping
+    k, v = (kv_cache[i].flatten(0, 1)[slots] for i in (0, 1))
+    torch.testing.assert_close(out, impl.forward(q, k, v, kv_cache, planned), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out, _decode_ref(s, q, kv_cache, batch.block_table,
+                                                batch.common.seq_lens), atol=2e-5, rtol=1e-4)
+
+
+def test_padded_bucket_rows_are_finite_and_leave_the_cache_alone():
+    s = spec(window=12, softcap=4.0)
+    gen = torch.Generator().manual_seed(2)
+    batch = make_batch([(20, 1), (40, 1), (7, 1)], gen=gen)
+    nblk, width = num_blocks(batch), 8  # the bucket's table is wider than any request needs
+    kv_cache = _filled_cache(s, nblk, gen)
+    table = torch.randint(0, nblk, (5, width), generator=gen, dtype=torch.int32)  # stale ids
+    table[:3, :batch.block_table.shape[1]] = batch.block_table
+    table[3:] = 0
+    seq_lens = torch.tensor([21, 41, 8, 0, 0], dtype=torch.int32)
+    slots = torch.cat([batch.common.slot_mapping, torch.tensor([-1, -1])])
+    q, k, v = random_qkv(5, s, gen)
+    impl = FlashAttentionImpl(s, fa_version=None)
+    md = FlashAttentionMetadataBuilder({s.name: impl}, "cpu").build(
+        _bucket_common(seq_lens, table, slots))
+    before = kv_cache.clone()
+    impl.store(k, v, kv_cache, md)
+    changed = (kv_cache != before).any(0).flatten(0, 1).flatten(1).any(1).nonzero().flatten()
+    assert set(changed.tolist()) <= set(batch.common.slot_mapping.tolist())
+    out = impl.forward(q, k, v, kv_cache, md)
+    assert torch.isfinite(out).all() and out[3:].abs().max() == 0
+    torch.testing.assert_close(out[:3], _decode_ref(s, q, kv_cache, table, seq_lens)[:3],
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_decode_metadata_is_reused_by_rewriting_its_buffers():
+    """What a CUDA graph needs: build once over static buffers, then each step only rewrites
+    their contents; forward with the same metadata equals a fresh build of that step."""
+    s = spec(hq=8, hk=2, window=24)
+    gen = torch.Generator().manual_seed(3)
+    nblk, width, bucket = 40, 6, 4
+    kv_cache = _filled_cache(s, nblk, gen)
+    static = dict(seq_lens=torch.zeros(bucket, dtype=torch.int32),
+                  table=torch.zeros(bucket, width, dtype=torch.int32),
+                  slots=torch.full((bucket,), -1, dtype=torch.int64))
+    impl = FlashAttentionImpl(s, fa_version=None)
+    builder = FlashAttentionMetadataBuilder({s.name: impl}, "cpu")
+    md = builder.build(_bucket_common(static["seq_lens"], static["table"], static["slots"]))
+    assert md.seq_lens.data_ptr() == static["seq_lens"].data_ptr()
+    assert md.block_table.data_ptr() == static["table"].data_ptr()
+    for step, reqs in enumerate([[(20, 1), (5, 1), (47, 1)], [(21, 1), (80, 1)],
+                                 [(0, 1), (30, 1), (95, 1), (6, 1)]]):
+        batch = make_batch(reqs, gen=gen, extra_blocks=nblk - sum(-(-(c + 1) // 16)
+                                                                  for c, _ in reqs))
+        n, w = len(reqs), batch.block_table.shape[1]
+        for t in static.values():
+            t.fill_(0 if t.dtype == torch.int32 else -1)
+        static["seq_lens"][:n] = batch.common.seq_lens
+        static["table"][:n, :w] = batch.block_table
+        static["slots"][:n] = batch.common.slot_mapping
+        q, k, v = random_qkv(bucket, s, gen)
+        fresh_cache = kv_cache.clone()
+        impl.store(k, v, kv_cache, md)
+        out = impl.forward(q, k, v, kv_cache, md)
+        fresh = builder.build(batch.common)  # the eager step: n rows, its own table width
+        impl.store(k[:n], v[:n], fresh_cache, fresh)
+        assert torch.equal(kv_cache, fresh_cache), step
+        torch.testing.assert_close(out[:n], impl.forward(q[:n], k[:n], v[:n], fresh_cache, fresh),
+                                   atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(out[:n], _decode_ref(s, q[:n], kv_cache, batch.block_table,
+                                                        batch.common.seq_lens),
+                                   atol=2e-5, rtol=1e-4)
+        assert out[n:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_chunking(dtype):
+    """Any chunk size gives the same result, including rows whose early chunks are all masked
+    (window) and a row that sees nothing."""
+    gen = torch.Generator().manual_seed(4)
+    k_cache, v_cache = torch.randn(2, 30, 4, 2, 8, generator=gen).to(dtype)
+    table = torch.randperm(30, generator=gen)[:24].view(3, 8).to(torch.int32)
+    seq_lens = torch.tensor([29, 0, 7], dtype=torch.int32)
+    q = torch.randn(3, 6, 8, generator=gen).to(dtype)
+    kw = dict(window=9, softcap=2.0)
+    whole = fa_mod.paged_decode_attention(q, k_cache, v_cache, table, seq_lens, 0.3, **kw)
+    for chunk in (1, 3):
+        torch.testing.assert_close(fa_mod.paged_decode_attention(
+            q, k_cache, v_cache, table, seq_lens, 0.3, chunk_blocks=chunk, **kw), whole,
+            atol=1e-5, rtol=1e-5)
+    assert whole.dtype == dtype and whole[1].abs().max() == 0
+    pos = torch.arange(29)
+    slots = table[0, pos // 4].long() * 4 + pos % 4
+    ref = attention(q[:1], k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots], pos[-1:],
+                    pos, 0.3, 9, 2.0)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(whole[:1].float(), ref, atol=tol, rtol=tol)
+
+
+def test_fa3_paged_path_serves_pure_decode_without_aot_metadata(monkeypatch):
+    fake = FakeFA3()
+    monkeypatch.setattr(fa_mod, "_fa3_kvcache_fns", lambda: (fake.with_kvcache,
+                                                             fake.scheduler_metadata))
+    s = spec(window=8, softcap=4.0)
+    out, ref, _, batch, impl = run_step(s, DECODES, fa_version=3)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    # AOT metadata depends on the step's lengths: a graph replaying decode can't reuse it.
+    assert len(fake.calls) == 1 and fake.calls[0]["scheduler_metadata"] is None
+    assert not fake.sched_calls

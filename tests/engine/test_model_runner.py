@@ -79,3 +79,101 @@ def test_sampler():
     draws = Sampler(seed=1)(p.log().expand(4000, 4), [SamplingParams(temperature=1.0)] * 4000, [None] * 4000)
     freq = torch.bincount(torch.tensor(draws), minlength=4).float() / 4000
     assert torch.allclose(freq, p, atol=0.03)
+
+
+def test_graph_capture_follows_the_backends_cudagraph_decode(monkeypatch, caplog):
+    from tqattn.attention.flash_attn import FlashAttentionBackend
+    from tqattn.attention.turboquant import TurboQuantBackend
+
+    assert FlashAttentionBackend.cudagraph_decode and TurboQuantBackend.cudagraph_decode
+    layers = _layers()  # FLASH_ATTN and TURBOQUANT groups
+    runner = ModelRunner(None, layers, kv_cache_groups(layers, 16), 16, torch.device("cpu"))
+    monkeypatch.setattr(TurboQuantBackend, "cudagraph_decode", False)
+    with caplog.at_level("INFO", logger="tqattn.engine.model_runner"):
+        runner.capture_cudagraphs(4, 64)
+    assert not runner.graphs and "the TURBOQUANT backend's decode is not graph-safe" in caplog.text
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: 'capture' records the model call made inside
+    it (its inputs and forward context, i.e. the static buffers and the metadata built for the
+    bucket); replay repeats that call and writes into the captured output, as a graph would."""
+    capturing = None
+
+    def __init__(self):
+        self.call = None
+
+    def pool(self):
+        return None
+
+    def replay(self):
+        model, kwargs, ctx, out = self.call
+        with set_forward_context(ctx):
+            out.logits.copy_(model(**kwargs).logits)
+
+
+class _RecordingModel:
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kwargs):
+        out = self.model(**kwargs)
+        if _FakeGraph.capturing is not None:
+            _FakeGraph.capturing.call = (self.model, kwargs, get_forward_context(), out)
+        return out
+
+
+class _fake_capture:
+    def __init__(self, graph, pool=None):
+        self.graph = graph
+
+    def __enter__(self):
+        _FakeGraph.capturing = self.graph
+
+    def __exit__(self, *exc):
+        _FakeGraph.capturing = None
+
+
+@pytest.fixture
+def one_thread():
+    # Tiny models: one thread is faster, and much faster when other jobs share the cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("llama-tiny", {}),                                                  # FLASH_ATTN only
+    ("gemma3-tiny", dict(kv_cache_dtype="tq_k3v4", kv_cache_dtype_skip_layers=["sliding_window"])),
+])
+def test_decode_graph_replay_equals_eager(monkeypatch, one_thread, name, kwargs):
+    """The runner's graph flow on CPU with a stand-in graph: metadata built once per bucket at
+    capture over static buffers, each decode step only rewriting them, equals eager decode."""
+    pytest.importorskip("transformers")
+    from tqattn import LLM
+
+    from .test_llm_reference import random_prompts
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _fake_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    common = dict(load_format="dummy", max_model_len=64, max_num_seqs=4, **kwargs)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 17, 9, 30, 5], seed=5)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 4, 9, 6, 7)]
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    graphs = LLM(name, **common)
+    runner = graphs.llm_engine.runner
+    assert {g.backend.name for g in runner.groups} == (
+        {"FLASH_ATTN"} if not kwargs else {"FLASH_ATTN", "TURBOQUANT"})
+    runner.model = _RecordingModel(runner.model)
+    runner.capture_cudagraphs(4, 64)
+    assert sorted(runner.graphs) == [1, 2, 4]
+    replays = []
+    replay = runner._replay
+    monkeypatch.setattr(runner, "_replay", lambda s: replays.append(len(s)) or replay(s))
+    assert run(graphs) == run(LLM(name, **common))
+    assert {1, 3, 4} <= set(replays)  # padded buckets too (3 requests in the 4-bucket)

@@ -24,10 +24,16 @@ def _run(llm):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("name,preset", [("qwen3-tiny", "turboquant_k3v4_nc"), ("gemma3-tiny", "tq_k3v4")])
-def test_cudagraph_decode_equals_eager(name, preset):
-    eager = LLM(name, kv_cache_dtype=preset, enforce_eager=True, **COMMON)
-    graphs = LLM(name, kv_cache_dtype=preset, **COMMON)
+@pytest.mark.parametrize("name,kwargs", [
+    ("qwen3-tiny", dict(kv_cache_dtype="turboquant_k3v4_nc")),
+    ("gemma3-tiny", dict(kv_cache_dtype="tq_k3v4")),
+    ("llama-tiny", {}),                                                    # FLASH_ATTN only
+    ("qwen3-tiny", dict(kv_cache_dtype="tq_k3v4", kv_cache_boundary_layers=1)),  # both backends
+])
+def test_cudagraph_decode_equals_eager(name, kwargs):
+    kwargs = {**COMMON, **kwargs}
+    eager = LLM(name, enforce_eager=True, **kwargs)
+    graphs = LLM(name, **kwargs)
     runner = graphs.llm_engine.runner
     assert sorted(runner.graphs) == [1, 2, 4, 8] and not eager.llm_engine.runner.graphs
     replays = []
@@ -37,10 +43,10 @@ def test_cudagraph_decode_equals_eager(name, preset):
     assert set(replays) >= {1, 2, 6}
 
 
-def test_flash_attn_layers_run_eagerly_and_memory_profile():
+def test_memory_profile():
     llm = LLM("llama-tiny", load_format="dummy", max_model_len=256, max_num_seqs=8, device="cuda",
               gpu_memory_utilization=0.5)
-    assert not llm.llm_engine.runner.graphs  # FLASH_ATTN's decode is not graph-safe
+    assert sorted(llm.llm_engine.runner.graphs) == [1, 2, 4, 8]  # FLASH_ATTN decode is graph-safe
     free, total = torch.cuda.mem_get_info()
     assert 0 < llm.kv_cache_plan["cache_bytes"] < 0.5 * total
     assert len(_run(llm)) == 6

@@ -7,6 +7,11 @@
 * Its :class:`AttentionMetadataBuilder` (one per KV-cache group) turns the engine's
   :class:`CommonAttentionMetadata` into whatever the impl needs, once per step, on the CPU side.
   Nothing in ``store``/``forward`` synchronises with the host.
+* A backend with ``cudagraph_decode`` (vLLM: "CUDA-graph support") promises that the metadata
+  its builder makes for a pure-decode batch (``num_decodes == num_reqs``) is only views of the
+  common metadata's device tensors, with shapes fixed by the batch size and the block table's
+  width, so the model runner can build it once per batch-size bucket over static buffers,
+  capture the decode step in a CUDA graph and replay it after rewriting those buffers in place.
 
 Token batches are flattened: T tokens of B requests, decodes first, request b owning tokens
 ``query_start_loc[b]:query_start_loc[b+1]``; q is (T, Hq, D), k and v are (T, Hk, D).
@@ -133,6 +138,7 @@ class AttentionBackend(ABC):
     supports_alibi: ClassVar[bool] = False
     supports_softcap: ClassVar[bool] = False
     supports_sinks: ClassVar[bool] = False
+    cudagraph_decode: ClassVar[bool] = False  # pure-decode steps are graph-safe (module docstring)
     impl_cls: ClassVar[type[AttentionImpl]]
     builder_cls: ClassVar[type[AttentionMetadataBuilder]]
 

@@ -5,11 +5,17 @@ at [1], in the model dtype (``kv_cache_dtype="auto"``) or an explicit bfloat16/f
 
 Forward, per step:
 
+* a pure-decode batch (every request has query length 1, ``num_decodes == num_reqs``): the
+  paged FA3 call below when the layer has it, else :func:`paged_decode_attention` (torch ops over
+  every column of the block table, chunked, fp32 online softmax). Its metadata is only views of
+  the common metadata's device tensors, no CPU planning, and nothing reads a device value on the
+  host, so decode is CUDA-graph safe (``cudagraph_decode``): the model runner builds the metadata
+  once per batch-size bucket over static buffers and replays the captured step;
 * every request starts its chunk fresh (no cached tokens): one causal
   :func:`~tqattn.attention.fa_utils.flash_attn_varlen` over the raw K/V, with the layer's
   ``fa_version``;
-* otherwise (decodes, continuation chunks, prefix-cache hits), when the layer runs FA3 and
-  ``flash_attn_interface.flash_attn_with_kvcache`` is there: one paged call over the cache
+* otherwise (decodes mixed with continuation chunks, prefix-cache hits), when the layer runs
+  FA3 and ``flash_attn_interface.flash_attn_with_kvcache`` is there: one paged call over the cache
   (``page_table`` = block table; the cache already holds this step's tokens);
 * otherwise the builder plans a gather of each request's cached prefix (only the part its
   sliding window can see) and the varlen wrapper runs on [prefix from the cache ‖ raw chunk].
@@ -17,6 +23,8 @@ Forward, per step:
 The metadata builder gathers the sliding-window/soft-cap configs of the FlashAttention layers
 only (vLLM asserted every attention layer was FlashAttention and crashed on models mixing
 backends); one config turns on FA3 ahead-of-time scheduling, several turn it off (vLLM's rule).
+AOT scheduling depends on the step's sequence lengths, so the pure-decode metadata (which a CUDA
+graph reuses across steps) goes without it.
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ from .plan import KVGather, pack_kv, plan_kv_gather, window_start
 from .registry import register_backend
 
 logger = logging.getLogger(__name__)
+
+# Key/value elements (batch x keys x KV heads x head size) one chunk of paged_decode_attention
+# gathers and upcasts to fp32: 2^24 elements = 64 MiB for K and as much for V.
+DECODE_CHUNK_ELEMENTS = 1 << 24
 
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16,
                    "float32": torch.float32}
@@ -66,6 +78,56 @@ def scatter_rows(rows: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> 
     rows.index_copy_(0, idx, torch.where(valid.view(shape), src, fill_data.unsqueeze(0)))
 
 
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                           window: int | None = None, softcap: float = 0.0,
+                           chunk_blocks: int | None = None) -> torch.Tensor:
+    """Decode attention over a paged cache with torch ops only: q (B, Hq, D) is request b's
+    query at position ``seq_lens[b] - 1``; k/v_cache (num_blocks, block_size, Hk, D).
+
+    Reads every column of ``block_table`` (B, max_blocks), ``chunk_blocks`` blocks at a time
+    with an online fp32 softmax, and masks keys by position against ``seq_lens`` (and the
+    window: keys > p − W; soft-cap before the mask). Shapes depend only on the input shapes and
+    nothing is read back to the host, so a CUDA graph can capture it. A row with seq_len 0 (a
+    padding row of a graph bucket) attends to nothing and gives 0.
+    """
+    b, hq, d = q.shape
+    num_blocks, block_size, hk, _ = k_cache.shape
+    width = block_table.shape[1]
+    if chunk_blocks is None:
+        chunk_blocks = DECODE_CHUNK_ELEMENTS // max(1, b * block_size * hk * d)
+    chunk_blocks = max(1, min(chunk_blocks, width))
+    qf = q.float().view(b, hk, hq // hk, d) * scale
+    # Columns past a request's last block may hold anything; keep the gather in bounds.
+    table = block_table.long().clamp(0, num_blocks - 1)
+    seq = seq_lens.long()[:, None]
+    m = q.new_full((b, hk, hq // hk), float("-inf"), dtype=torch.float32)
+    l = torch.zeros_like(m)
+    acc = q.new_zeros((b, hk, hq // hk, d), dtype=torch.float32)
+    for c0 in range(0, width, chunk_blocks):
+        blocks = table[:, c0:c0 + chunk_blocks]
+        k = k_cache[blocks].flatten(1, 2).float()         # (B, keys, Hk, D)
+        v = v_cache[blocks].flatten(1, 2).float()
+        s = torch.einsum("bhgd,bkhd->bhgk", qf, k)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(c0 * block_size, c0 * block_size + k.shape[1], device=q.device)
+        visible = pos[None] < seq
+        if window is not None:
+            visible &= pos[None] >= seq - window
+        s = s.masked_fill(~visible[:, None, None], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        # Nothing visible yet: a finite stand-in max so exp() gives 0, not NaN.
+        m_safe = m_new.clamp_min(torch.finfo(torch.float32).min)
+        p = torch.exp(s - m_safe[..., None])
+        alpha = torch.exp(m - m_safe)
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.einsum("bhgk,bkhd->bhgd", p, v)
+        m = m_new
+    out = acc / l.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    return out.view(b, hq, d).to(q.dtype)
+
+
 @dataclass
 class FlashAttentionMetadata:
     num_actual_tokens: int
@@ -76,6 +138,7 @@ class FlashAttentionMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     has_prefix: bool                                  # some request has cached tokens
+    decode_only: bool = False                         # every request has query length 1
     kv_gathers: dict[int | None, KVGather] = field(default_factory=dict)  # by sliding window
     scheduler_metadata: torch.Tensor | None = None    # FA3 AOT scheduling (paged path)
 
@@ -115,6 +178,14 @@ class FlashAttentionImpl(AttentionImpl):
         out = torch.empty_like(query)
         out[n:].zero_()
         q = query[:n]
+        if md.decode_only:
+            if self.uses_paged_kv:
+                out[:n] = self._paged_fa3(q, kv_cache, md)
+            else:
+                out[:n] = paged_decode_attention(q, kv_cache[0], kv_cache[1], md.block_table,
+                                                 md.seq_lens, s.scale, window=self.window,
+                                                 softcap=self.softcap)
+            return out
         common = dict(softmax_scale=s.scale, causal=True, window=self.window,
                       fa_version=self.fa_version, softcap=self.softcap)
         if not md.has_prefix:
@@ -165,14 +236,18 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
         return {fa_utils.fa_window_size(impl.window, True) for impl in self.fa_layers.values()}
 
     def build(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
-        num_computed = common.num_computed_tokens_cpu.long()
-        has_prefix = bool((num_computed > 0).any())
         md = FlashAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens, max_query_len=common.max_query_len,
             max_seq_len=common.max_seq_len, query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens, block_table=common.block_table,
-            slot_mapping=common.slot_mapping, has_prefix=has_prefix)
-        if not has_prefix:
+            slot_mapping=common.slot_mapping, has_prefix=False)
+        if common.num_reqs and common.num_decodes == common.num_reqs:
+            # Pure decode: views only, no planning on the step's values (CUDA-graph safe).
+            md.decode_only = True
+            return md
+        num_computed = common.num_computed_tokens_cpu.long()
+        md.has_prefix = bool((num_computed > 0).any())
+        if not md.has_prefix:
             return md
         q_lens = (common.query_start_loc_cpu[1:] - common.query_start_loc_cpu[:-1]).long()
         for window in self.gather_windows:
@@ -203,6 +278,7 @@ class FlashAttentionBackend(AttentionBackend):
     name = "FLASH_ATTN"
     supports_sliding_window = True
     supports_softcap = True
+    cudagraph_decode = True  # pure decode: paged FA3 or paged_decode_attention over views
     impl_cls = FlashAttentionImpl
     builder_cls = FlashAttentionMetadataBuilder
 

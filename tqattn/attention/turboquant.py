@@ -277,6 +277,7 @@ class TurboQuantBackend(AttentionBackend):
     name = "TURBOQUANT"
     supports_sliding_window = True
     supports_softcap = True
+    cudagraph_decode = True  # decode metadata: views of seq_lens / block_table; one Triton kernel
     impl_cls = TurboQuantImpl
     builder_cls = TurboQuantMetadataBuilder
 

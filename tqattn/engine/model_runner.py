@@ -8,10 +8,10 @@ it into the backend's metadata. The attention calls find both in the forward con
 CUDA graphs (CUDA only, unless enforce_eager): pure-decode steps replay a graph captured per
 batch-size bucket, the batch padded to the bucket (padding rows: seq_len 0, slot −1). The graph
 reads static input buffers that each step overwrites; the backends' metadata is built once per
-bucket at capture, over those buffers. That needs a backend whose decode metadata is only views
-of the CommonAttentionMetadata device tensors and whose decode kernels never sync with the host
-(TURBOQUANT). FLASH_ATTN plans its decode gather on the CPU per step, so a model with any
-FLASH_ATTN layer runs eagerly (logged once).
+bucket at capture, over those buffers. That needs every KV-cache group's backend to declare
+``cudagraph_decode`` (its pure-decode metadata is only views of the CommonAttentionMetadata
+device tensors and its decode kernels never sync with the host: TURBOQUANT, FLASH_ATTN); a model
+with a layer on any other backend runs decode eagerly (logged).
 """
 
 from __future__ import annotations
@@ -30,9 +30,6 @@ from .scheduler import ScheduledSeq
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
-
-# Backends whose decode metadata and kernels are CUDA-graph safe (see the module docstring).
-CUDAGRAPH_DECODE_BACKENDS = frozenset({"TURBOQUANT"})
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -176,7 +173,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cudagraphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        eager = sorted({g.backend.name for g in self.groups} - CUDAGRAPH_DECODE_BACKENDS)
+        eager = sorted({g.backend.name for g in self.groups if not g.backend.cudagraph_decode})
         if eager:
             logger.info("CUDA graphs off: the %s backend's decode is not graph-safe; decode runs "
                         "eagerly", ", ".join(eager))

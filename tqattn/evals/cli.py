@@ -91,7 +91,19 @@ def _engine_args(items: list[str]) -> dict:
 
 
 def _write_json(obj, path: str | None) -> None:
+    """Write a result file that records how it was made (command, versions, date)."""
     if path:
+        import datetime
+        import platform
+
+        import torch
+
+        if isinstance(obj, dict):
+            obj = dict(obj, command="tqattn " + shlex.join(sys.argv[1:]),
+                       env={"torch": torch.__version__, "python": platform.python_version(),
+                            "device": "cuda" if torch.cuda.is_available() else "cpu",
+                            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                                timespec="seconds")})
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(obj, indent=1))
         print(f"wrote {path}")

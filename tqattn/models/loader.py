@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from tqattn.paths import cache_root
 from tqattn.models.configs import list_model_configs, model_config_path
 from tqattn.models.info import ModelInfo, model_info
 
@@ -288,19 +289,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, use_cache: bool) -> tuple[Any, An
     return model.to(dtype), tokenizer
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("TQATTN_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tqattn"
-
-
 def _gguf_cache_dir(path: Path) -> Path:
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return _cache_root() / "gguf" / f"{path.name.removesuffix('.gguf')}-{digest}"
+    return cache_root() / "gguf" / f"{path.name.removesuffix('.gguf')}-{digest}"
 
 
 def _write_gguf_cache(model: Any, tokenizer: Any, cache_dir: Path) -> None:

@@ -53,7 +53,17 @@ def step(batch: int, prefix: int, q_len: int) -> CommonAttentionMetadata:
         max_query_len=q_len, max_seq_len=seq, block_size=BS)
 
 
-def time_layer(timer, backend, kv_dtype, fa_version, common, prefix_kv=None) -> float:
+def time_layer(timer, backend, kv_dtype, fa_version, common, prefix_kv=None):
+    """µs of one layer step, or the error text if this combination cannot run here."""
+    try:
+        return _time_layer(timer, backend, kv_dtype, fa_version, common, prefix_kv)
+    except Exception as e:  # one unsupported combination must not lose the rest of the run
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return f"{type(e).__name__}: {e}"[:300]
+
+
+def _time_layer(timer, backend, kv_dtype, fa_version, common, prefix_kv=None) -> float:
     spec = AttentionLayerSpec(0, HQ, HK, D, D ** -0.5, torch.bfloat16, kv_dtype)
     impl = backend.impl_cls(spec, fa_version=fa_version)
     builder = backend.builder_cls({spec.name: impl}, torch.device("cuda"))
@@ -87,6 +97,46 @@ def prefix_kv(common: CommonAttentionMetadata, prefix: int):
     return k, v, slots
 
 
+def pair_row(kind, batch, q_len, fa_version, bf16, tq, **extra) -> dict:
+    row = {"kind": kind, "batch": batch, "q_len": q_len, "fa_version": fa_version, **extra,
+           "bf16_us": bf16, "tq_us": tq}
+    tokens = batch * q_len
+    if isinstance(bf16, float):
+        row["bf16_tok_s"] = tokens / bf16 * 1e6
+    if isinstance(tq, float):
+        row["tq_tok_s"] = tokens / tq * 1e6
+    if isinstance(bf16, float) and isinstance(tq, float):
+        row["tq_vs_bf16"] = bf16 / tq
+    return row
+
+
+def render_md(result: dict, command: str) -> str:
+    env = result["env"]
+    head = [f"# prefill ({result['preset']}, Hq/Hk/D {'/'.join(map(str, result['heads']))}, "
+            f"block size {result['block_size']})", "",
+            f"- device: {env.get('device')}, torch {env.get('torch')}, triton {env.get('triton')}, "
+            f"FA versions found: {env.get('fa_versions')}, {env.get('date')}",
+            f"- command: `{command}`",
+            "- one layer step = store + attention, CUDA-graph replay, L2 flushed, median", "",
+            "| kind | B | prefix | chunk | FA | bf16 µs | TQ µs | bf16 tok/s | TQ tok/s | TQ/bf16 speed |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def fmt(x, spec):
+        return format(x, spec) if isinstance(x, float) else (str(x) if x is not None else "")
+
+    for r in result["rows"]:
+        head.append(f"| {r['kind']} | {r['batch']} | {r.get('prefix', 0)} | {r['q_len']} | "
+                    f"{r['fa_version']} | {fmt(r['bf16_us'], '.1f')} | {fmt(r['tq_us'], '.1f')} | "
+                    f"{fmt(r.get('bf16_tok_s'), '.3g')} | {fmt(r.get('tq_tok_s'), '.3g')} | "
+                    f"{fmt(r.get('tq_vs_bf16'), '.3f')} |")
+    if result["fa3_vs_fa2"]:
+        head += ["", "| B | L | FA3/FA2 speed (bf16) | FA3/FA2 speed (TQ) |", "|---|---|---|---|"]
+        for r in result["fa3_vs_fa2"]:
+            head.append(f"| {r['batch']} | {r['q_len']} | {r['fa3_vs_fa2_bf16']:.3f} | "
+                        f"{r['fa3_vs_fa2_tq']:.3f} |")
+    return "\n".join(head) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="turboquant_k3v4_nc")
@@ -94,8 +144,17 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--chunks", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--prefix", type=int, default=8192)
+    ap.add_argument("--store-rows", type=int, default=None,
+                    help="store kernel rows per program (default: the kernel's)")
+    ap.add_argument("--dequant", type=int, nargs=2, default=None, metavar=("BLOCK_N", "WARPS"),
+                    help="dequant kernel tokens per program and warps (default: the kernel's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from tqattn.kernels import dequant, store
+    if args.store_rows:
+        store.ROWS_PER_PROGRAM = args.store_rows
+    if args.dequant:
+        dequant.DEFAULTS.update(block_n=args.dequant[0], num_warps=args.dequant[1])
 
     versions = sorted(fa_utils.detect_fa_versions())
     timer = Timer()
@@ -108,39 +167,39 @@ def main():
             for v in versions:
                 bf16 = time_layer(timer, FlashAttentionBackend, "auto", v, common)
                 tq = time_layer(timer, TurboQuantBackend, args.preset, v, common)
-                row = {"kind": "prefill", "batch": batch, "q_len": length, "fa_version": v,
-                       "bf16_us": bf16, "tq_us": tq,
-                       "bf16_tok_s": batch * length / bf16 * 1e6,
-                       "tq_tok_s": batch * length / tq * 1e6, "tq_vs_bf16": bf16 / tq}
+                row = pair_row("prefill", batch, length, v, bf16, tq)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    best = max(versions) if versions else None
     for batch in args.batches:
         for chunk in args.chunks:
             common = step(batch, args.prefix, chunk)
             pkv = prefix_kv(common, args.prefix)
-            bf16 = time_layer(timer, FlashAttentionBackend, "auto", best, common, pkv)
-            tq = time_layer(timer, TurboQuantBackend, args.preset, best, common, pkv)
-            row = {"kind": "continuation", "batch": batch, "prefix": args.prefix, "q_len": chunk,
-                   "fa_version": best, "bf16_us": bf16, "tq_us": tq,
-                   "bf16_tok_s": batch * chunk / bf16 * 1e6, "tq_tok_s": batch * chunk / tq * 1e6,
-                   "tq_vs_bf16": bf16 / tq}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for v in versions:
+                bf16 = time_layer(timer, FlashAttentionBackend, "auto", v, common, pkv)
+                tq = time_layer(timer, TurboQuantBackend, args.preset, v, common, pkv)
+                row = pair_row("continuation", batch, chunk, v, bf16, tq, prefix=args.prefix)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     speedups = []
     for r in rows:
         if r["kind"] == "prefill" and r["fa_version"] == 3:
             fa2 = [x for x in rows if x["kind"] == "prefill" and x["fa_version"] == 2
                    and x["batch"] == r["batch"] and x["q_len"] == r["q_len"]]
-            if fa2:
+            if fa2 and all(isinstance(x, float) for x in
+                           (fa2[0]["bf16_us"], r["bf16_us"], fa2[0]["tq_us"], r["tq_us"])):
                 speedups.append({"batch": r["batch"], "q_len": r["q_len"],
                                  "fa3_vs_fa2_bf16": fa2[0]["bf16_us"] / r["bf16_us"],
                                  "fa3_vs_fa2_tq": fa2[0]["tq_us"] / r["tq_us"]})
     result = {"env": env, "preset": args.preset, "heads": [HQ, HK, D], "block_size": BS,
+              "store_rows_per_program": store.ROWS_PER_PROGRAM,
+              "dequant_defaults": dict(dequant.DEFAULTS),
               "rows": rows, "fa3_vs_fa2": speedups}
     if args.out:
+        result["command"] = "python3 " + " ".join(sys.argv)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(render_md(result, result["command"]))
 
 
 if __name__ == "__main__":

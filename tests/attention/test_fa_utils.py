@@ -17,7 +17,7 @@ ENV = fa_utils.FA_VERSION_ENV
 
 
 CACHED = (fa_utils.detect_fa_versions, fa_utils.fa2_provider, fa_utils._flash_attn_package_varlen,
-          fa_utils._torch_varlen_attn)
+          fa_utils._torch_varlen_attn, fa_utils.fa3_build_flags)
 
 
 def clear_caches():
@@ -657,7 +657,7 @@ def test_collect_env_reports_bad_env_override(monkeypatch):
 @pytest.mark.parametrize("causal, window, softcap", [(True, None, 0.0), (True, 64, 0.0),
                                                       (False, None, 0.0), (True, None, 20.0)])
 def test_gpu_detected_version_matches_reference(causal, window, softcap):
-    version = get_flash_attn_version(128)
+    version = get_flash_attn_version(128, requires_softcap=bool(softcap))
     q, k, v, cu_q, cu_k = varlen_batch([100, 37, 256], [300, 37, 256], hq=8, hk=2, d=128,
                                        dtype=torch.bfloat16)
     q, k, v, cu_q, cu_k = (t.cuda() for t in (q, k, v, cu_q, cu_k))
@@ -682,3 +682,48 @@ def test_gpu_sdpa_flash_fallback(monkeypatch, causal):
     ref_out = flash_attn_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, 256, 300, None,
                                 causal)
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# The installed FA3's build flags (tokenspeed-fa3 ships without soft-cap and head-size-96 kernels)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fa3_built_without(monkeypatch):
+    def install(**flags):
+        module = types.ModuleType("flash_attn_config")
+        module.CONFIG = {"build_flags": {f"FLASHATTENTION_DISABLE_{k}": v for k, v in flags.items()}}
+        monkeypatch.setitem(sys.modules, "flash_attn_config", module)
+        fa_utils.fa3_build_flags.cache_clear()
+    return install
+
+
+def test_fa3_without_softcap_falls_back_to_fa2_for_softcap_layers(fa3_built_without):
+    fa3_built_without(SOFTCAP=True, HDIM96=True)
+    hopper = dict(capability=(9, 0), available={2, 3})
+    assert get_flash_attn_version(128, **hopper) == 3
+    assert get_flash_attn_version(128, requires_softcap=True, **hopper) == 2
+    assert "soft-cap" in fa_utils.describe_choice(128, requires_softcap=True, **hopper)
+    assert get_flash_attn_version(128, requires_softcap=True, capability=(9, 0),
+                                  available={3}) is None
+    with pytest.raises(ValueError, match="FLASHATTENTION_DISABLE_SOFTCAP"):
+        get_flash_attn_version(128, requires_softcap=True, override=3, **hopper)
+
+
+def test_fa3_head_size_runs_on_next_compiled_kernel(fa3_built_without):
+    fa3_built_without(HDIM96=True)  # 80 and 96 run on the 128 kernels
+    assert fa_utils.fa_version_supports(3, 96, (9, 0))
+    fa3_built_without(HDIM96=True, HDIM128=True, HDIM192=True, HDIM256=True)
+    assert fa_utils.fa_version_supports(3, 64, (9, 0))
+    reason = fa_utils.fa_unsupported_reason(3, 96, (9, 0))
+    assert reason is not None and "head size 96" in reason
+    assert get_flash_attn_version(96, capability=(9, 0), available={2, 3}) == 2
+
+
+def test_fa3_without_config_module_is_assumed_complete(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn_config", None)  # import raises ImportError
+    fa_utils.fa3_build_flags.cache_clear()
+    assert fa_utils.fa3_build_flags() == {}
+    assert get_flash_attn_version(128, requires_softcap=True, capability=(9, 0),
+                                  available={2, 3}) == 3

@@ -42,6 +42,24 @@ def test_store_bytes_match_reference(name, d, bs):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k3.5v3.5", "turboquant_k8v4"])
+@pytest.mark.parametrize("rows_per_program", [16, 64])
+def test_store_rows_per_program(name, rows_per_program):
+    """Programs whose (token, head) rows span several tokens: a row count that is not a multiple
+    of the program's rows, padding slots inside and at the end."""
+    from tqattn.kernels.store import store_kv_triton
+    codec = TQCodec(name, 64)
+    hk, n, nb, bs = 3, 29, 4, 16
+    k, v = torch.randn(n, hk, 64) * 2, torch.randn(n, hk, 64)
+    slots = torch.randperm(nb * bs)[:n]
+    slots[[5, 21, 28]] = -1
+    a, b = _store_both(codec, k, v, slots, nb, bs, hk)
+    assert torch.equal(a, b)
+    c = b.clone()
+    store_kv_triton(codec, k, v, c, slots, rows_per_program)
+    assert torch.equal(c, b)
+
+
 def test_store_half_inputs():
     codec = TQCodec("turboquant_k3v4_nc", 64)
     k = torch.randn(4, 2, 64).to(torch.bfloat16)

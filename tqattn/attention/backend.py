@@ -83,7 +83,8 @@ def choose_fa_version(spec: AttentionLayerSpec) -> int | None:
     :func:`~tqattn.attention.fa_utils.get_flash_attn_version` decides from the device and the
     head size; FA kernels take only fp16/bf16, so an fp32 layer runs torch SDPA (logged once).
     """
-    version = fa_utils.get_flash_attn_version(spec.head_size, spec.alibi)
+    version = fa_utils.get_flash_attn_version(spec.head_size, spec.alibi,
+                                              requires_softcap=bool(spec.logits_soft_cap))
     if version is not None and spec.dtype not in (torch.float16, torch.bfloat16):
         fa_utils._log_once(logging.INFO, ("fa_dtype", spec.dtype),
                            "FlashAttention takes fp16/bf16 only; %s layers run torch SDPA",

@@ -65,7 +65,18 @@ def collect_env() -> dict:
             fa_utils.fa2_provider() or ""),
         "fa_version_env": os.environ.get(fa_utils.FA_VERSION_ENV),
         "fa_choice": _fa_choices(),
+        "fa3_disabled": sorted(k for k, v in fa_utils.fa3_build_flags().items()
+                               if v and "DISABLE" in k),
+        "softcap_choice": _softcap_choice(),
     }
+
+
+def _softcap_choice() -> str:
+    """The choice for a soft-capped head-size-128 layer (some FA builds lack soft-cap)."""
+    try:
+        return fa_utils.describe_choice(128, requires_softcap=True)
+    except ValueError as e:
+        return f"error: {e}"
 
 
 def format_env(d: dict) -> str:
@@ -93,6 +104,7 @@ def format_env(d: dict) -> str:
         f"Compute capability:   {show(d['device_capability'])}",
         f"FlashAttention found: {fa}",
         f"FA2 provided by:      {show(d['fa2_provider'])}",
+        f"FA3 built without:    {', '.join(d['fa3_disabled']) or '-'}",
         f"{fa_utils.FA_VERSION_ENV}: {d['fa_version_env'] or '(unset: automatic)'}",
         "",
         "Prefill attention by head size:",
@@ -101,4 +113,5 @@ def format_env(d: dict) -> str:
     for row in d["fa_choice"]:
         alibi = "yes" if row["alibi"] else "no"
         lines.append(f"  {row['head_size']:>4}  {alibi:<5}  {row['choice']}")
+    lines.append(f"   128  no     soft-cap: {d['softcap_choice']}")
     return "\n".join(lines)

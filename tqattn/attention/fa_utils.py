@@ -123,12 +123,43 @@ def detect_fa_versions() -> frozenset[int]:
 # --------------------------------------------------------------------------------------------
 
 
+FA3_KERNEL_HEAD_SIZES = (64, 96, 128, 192, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def fa3_build_flags() -> dict:
+    """Compile-time switches of the installed FA3 (``flash_attn_config.CONFIG``), {} if unknown.
+
+    Wheels such as tokenspeed-fa3 are built with features switched off (soft-cap, some head-size
+    kernels); calling them for those raises inside the kernel, so the version choice asks first.
+    """
+    try:
+        config = getattr(importlib.import_module("flash_attn_config"), "CONFIG", None)
+    except Exception:  # not installed, or a broken install: nothing known
+        config = None
+    flags = config.get("build_flags", {}) if isinstance(config, dict) else {}
+    return {k: bool(v) for k, v in flags.items()}
+
+
+def _fa3_build_reason(head_size: int, requires_softcap: bool) -> str | None:
+    flags = fa3_build_flags()
+    if requires_softcap and flags.get("FLASHATTENTION_DISABLE_SOFTCAP"):
+        return "the installed FA3 was built without soft-cap (FLASHATTENTION_DISABLE_SOFTCAP)"
+    # FA3 runs a head size on the smallest compiled kernel size that holds it
+    if not any(k >= head_size and not flags.get(f"FLASHATTENTION_DISABLE_HDIM{k}")
+               for k in FA3_KERNEL_HEAD_SIZES):
+        return f"the installed FA3 has no kernel for head size {head_size} (build flags)"
+    return None
+
+
 def fa_unsupported_reason(
-    version: int, head_size: int, capability: tuple[int, int], requires_alibi: bool = False
+    version: int, head_size: int, capability: tuple[int, int], requires_alibi: bool = False,
+    requires_softcap: bool = False,
 ) -> str | None:
     """Why FlashAttention ``version`` cannot run this attention on ``capability``; None if it can.
 
-    Installation is not checked here (see :func:`detect_fa_versions`).
+    Installation is not checked here (see :func:`detect_fa_versions`), but the installed FA3's
+    build flags are (:func:`fa3_build_flags`).
     """
     major, minor = capability
     if head_size % 8 != 0:
@@ -143,14 +174,18 @@ def fa_unsupported_reason(
         return f"FA{version} has no ALiBi (only FA2 does)"
     if version in (2, 3) and head_size > FA2_FA3_MAX_HEAD_SIZE:
         return f"FA{version} supports head size <= {FA2_FA3_MAX_HEAD_SIZE}, got {head_size}"
+    if version == 3:
+        return _fa3_build_reason(head_size, requires_softcap)
     return None
 
 
 def fa_version_supports(
-    version: int, head_size: int, capability: tuple[int, int], requires_alibi: bool = False
+    version: int, head_size: int, capability: tuple[int, int], requires_alibi: bool = False,
+    requires_softcap: bool = False,
 ) -> bool:
     """Whether FA ``version`` (if installed) can run this attention on ``capability``."""
-    return fa_unsupported_reason(version, head_size, capability, requires_alibi) is None
+    return fa_unsupported_reason(version, head_size, capability, requires_alibi,
+                                 requires_softcap) is None
 
 
 def _preferred_version(
@@ -195,6 +230,7 @@ def _choose(
     capability: tuple[int, int] | None,
     available: set[int] | frozenset[int] | None,
     override: int | str | None,
+    requires_softcap: bool = False,
 ) -> tuple[int | None, str]:
     """(version or None, readable reason). Raises ValueError for an override that can't run."""
     if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size <= 0:
@@ -206,7 +242,8 @@ def _choose(
         available = detect_fa_versions()
 
     if requested is not None:
-        return _check_override(requested, source, head_size, requires_alibi, capability, available)
+        return _check_override(requested, source, head_size, requires_alibi, capability, available,
+                               requires_softcap)
     if capability is None:
         return None, "no CUDA GPU"
 
@@ -216,7 +253,8 @@ def _choose(
         reason = (
             f"FA{version} is not installed"
             if version not in available
-            else fa_unsupported_reason(version, head_size, capability, requires_alibi)
+            else fa_unsupported_reason(version, head_size, capability, requires_alibi,
+                                       requires_softcap)
         )
         if reason is None:
             return version, why if not rejected else f"fallback to FA2 ({'; '.join(rejected)})"
@@ -231,6 +269,7 @@ def _check_override(
     requires_alibi: bool,
     capability: tuple[int, int] | None,
     available: set[int] | frozenset[int],
+    requires_softcap: bool = False,
 ) -> tuple[int, str]:
     if capability is None:
         why = "no CUDA GPU was found"
@@ -238,14 +277,16 @@ def _check_override(
         installed = ", ".join(f"FA{v}" for v in sorted(available)) or "none"
         why = f"FA{version} is not installed (installed: {installed})"
     else:
-        why = fa_unsupported_reason(version, head_size, capability, requires_alibi)
+        why = fa_unsupported_reason(version, head_size, capability, requires_alibi,
+                                    requires_softcap)
     if why is None:
         return version, f"requested by {source}"
     usable = [
         f"FA{v}"
         for v in sorted(available)
         if capability is not None
-        and fa_unsupported_reason(v, head_size, capability, requires_alibi) is None
+        and fa_unsupported_reason(v, head_size, capability, requires_alibi,
+                                  requires_softcap) is None
     ]
     alibi = " with ALiBi" if requires_alibi else ""
     raise ValueError(
@@ -262,6 +303,7 @@ def get_flash_attn_version(
     capability: tuple[int, int] | None = None,
     available: set[int] | frozenset[int] | None = None,
     override: int | str | None = None,
+    requires_softcap: bool = False,
 ) -> int | None:
     """The FlashAttention version (2, 3 or 4) for prefill of one layer, or None for torch SDPA.
 
@@ -271,12 +313,14 @@ def get_flash_attn_version(
         capability: ``(major, minor)``; None = the current CUDA device (no GPU -> None).
         available: installed versions; None = :func:`detect_fa_versions` (empty set = none usable).
         override: a version to force; None = ``$TQATTN_FLASH_ATTN_VERSION`` if set, else automatic.
+        requires_softcap: the layer soft-caps its logits (an FA3 built without it is skipped).
 
     Automatic rules: SM 9.x -> FA3 (FA4 when head size > 256), SM 10.x/11.x -> FA4, else FA2; the
     preferred version falls back to FA2 when it is not installed or cannot run the layer; None when
     neither can. An override that cannot run raises ValueError saying why and what is usable.
     """
-    return _choose(head_size, requires_alibi, capability, available, override)[0]
+    return _choose(head_size, requires_alibi, capability, available, override,
+                   requires_softcap)[0]
 
 
 def describe_choice(
@@ -286,9 +330,11 @@ def describe_choice(
     capability: tuple[int, int] | None = None,
     available: set[int] | frozenset[int] | None = None,
     override: int | str | None = None,
+    requires_softcap: bool = False,
 ) -> str:
     """:func:`get_flash_attn_version`'s answer and why, e.g. ``"FA3: SM 9.x prefers FA3"``."""
-    version, why = _choose(head_size, requires_alibi, capability, available, override)
+    version, why = _choose(head_size, requires_alibi, capability, available, override,
+                           requires_softcap)
     return f"{fa_version_label(version)}: {why}"
 
 

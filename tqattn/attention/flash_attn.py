@@ -68,14 +68,16 @@ def scatter_rows(rows: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> 
     token's slot *with that token's data*, so the duplicate writes all carry the same bytes and
     their order does not matter. With no valid token at all, slot 0 is rewritten with itself.
     """
+    # index_select with a 1-element index tensor, never ``t[first]``: indexing with a 0-d
+    # tensor reads it on the host, which a CUDA-graph capture forbids.
     valid = slots >= 0
-    first = valid.to(torch.int32).argmax()
-    any_valid = valid[first]
-    fill_slot = torch.where(any_valid, slots[first], torch.zeros_like(slots[first]))
-    fill_data = torch.where(any_valid, src[first], rows[0])
+    first = valid.to(torch.int32).argmax().view(1)
+    lead = (1,) + (1,) * (src.dim() - 1)
+    any_valid = valid.index_select(0, first)
+    fill_slot = torch.where(any_valid, slots.index_select(0, first), 0)
+    fill_data = torch.where(any_valid.view(lead), src.index_select(0, first), rows[:1])
     idx = torch.where(valid, slots, fill_slot)
-    shape = (-1,) + (1,) * (src.dim() - 1)
-    rows.index_copy_(0, idx, torch.where(valid.view(shape), src, fill_data.unsqueeze(0)))
+    rows.index_copy_(0, idx, torch.where(valid.view((-1,) + lead[1:]), src, fill_data))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,8 +1,10 @@
 """Store kernel: quantize new K/V and write them into the paged TurboQuant cache (Triton).
 
 Math = :func:`tqattn.quant.paged.store_ref` (= ``TQCodec.encode`` with ``on_nonfinite=
-"propagate"`` + the page layout). One program per (token, block of up to 32 KV heads), one
-launch per layer per step, no host sync. The rotation is a fp32 ``tl.dot`` (IEEE, K-chunked)
+"propagate"`` + the page layout). One program per ``HB`` consecutive (token, KV head) rows of
+the step's flattened ``N·Hk`` rows, one launch per layer per step, no host sync. 16 rows per
+program is fastest at every step size measured (bench/results/store_dequant_h200.json: 32 rows
+1.6x, 64 rows 19x slower at 16K tokens; the fp32 rotation tile then spills). The rotation is a fp32 ``tl.dot`` (IEEE, K-chunked)
 inside the kernel; division and square root use IEEE rounding so codes match the reference
 except where the different summation order of the norm / rotation moves a value across a
 bucket boundary (rare, bounded in the tests).
@@ -17,7 +19,7 @@ import triton.language as tl
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
 from . import _tl
-from ._spec import kernel_spec, next_pow2
+from ._spec import kernel_spec
 
 
 @triton.jit
@@ -75,6 +77,7 @@ def _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D: tl.constexpr, DP: tl.conste
         uk = tl.math.div_rn(tl.where(bad[:, None], 0.0, xk), den[:, None])
         r = tl.load(rot_ptr + kk[:, None] * D + START + j[None, :],
                     mask=(kk < D)[:, None] & (j < COUNT)[None, :], other=0.0)
+        # "ieee": triton 3.6 fails to compile "tf32x3" here (ConvertTritonGPUToLLVM, H200)
         y += tl.dot(uk, r, input_precision="ieee")
     return y
 
@@ -127,7 +130,7 @@ def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
 @triton.jit
 def _store_kernel(
         k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h, rot_ptr, tab_ptr,
-        HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
+        N_ROWS, HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
         BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
         K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
@@ -145,13 +148,14 @@ def _store_kernel(
         V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
         V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr,
         PAD_OFF: tl.constexpr, PAD_N: tl.constexpr):
-    n = tl.program_id(0)
-    slot = tl.load(slot_ptr + n).to(tl.int64)
-    if slot >= 0:
-        blk = slot // BS
-        off = slot % BS
-        h = tl.program_id(1) * HB + tl.arange(0, HB)
-        h_ok = h < HK
+    r = tl.program_id(0) * HB + tl.arange(0, HB)
+    n = r // HK
+    h = r % HK
+    slot = tl.load(slot_ptr + n, mask=r < N_ROWS, other=-1).to(tl.int64)
+    h_ok = slot >= 0  # padding tokens (negative slots) and rows past the end write nothing
+    if tl.max(h_ok.to(tl.int32), axis=0) > 0:
+        blk = tl.where(h_ok, slot, 0) // BS
+        off = tl.where(h_ok, slot, 0) % BS
         base = blk * sc_b + h.to(tl.int64) * sc_h
         k_rows = n.to(tl.int64) * sk_n + h * sk_h
         v_rows = n.to(tl.int64) * sv_n + h * sv_h
@@ -189,9 +193,16 @@ def _store_kernel(
             tl.store(cache_ptr + base + PAD_OFF + off, tl.zeros([HB], tl.uint8), mask=h_ok)
 
 
+ROWS_PER_PROGRAM = 16  # (token, KV head) rows; see the module docstring
+
+
 def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place."""
+                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    rows_per_program: int | None = None) -> None:
+    """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place.
+
+    ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM.
+    """
     n, hk, d = key.shape
     if value.shape != key.shape or d != codec.head_dim or kv_cache.shape[1] != hk:
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit a cache "
@@ -205,9 +216,10 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
-    hb = max(16, min(32, next_pow2(hk)))
+    rows = n * hk
+    hb = rows_per_program or ROWS_PER_PROGRAM
     dp = spec.meta["DP"]
-    _store_kernel[(n, triton.cdiv(hk, hb))](
+    _store_kernel[(triton.cdiv(rows, hb),)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
-        HK=hk, HB=hb, BK=min(32, dp), num_warps=4, **spec.meta)
+        rows, HK=hk, HB=hb, BK=min(32, dp), num_warps=4, **spec.meta)

@@ -81,7 +81,9 @@ def _phase_tile(w, I: tl.constexpr, lut_ptr, cm, LUT_ON: tl.constexpr, FP8: tl.c
         v = c.to(tl.float16)
         ss = tl.sum(c * c, axis=1)
     else:
-        v = code.to(tl.float16)
+        # 1024 + code as fp16 bits (0x6400 | code): no int→float conversion (a quarter-rate
+        # instruction); the caller removes 1024·Σp from the accumulator through the zero term
+        v = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
         ss = tl.zeros([code.shape[0]], tl.float32)
     return v, ss
 
@@ -393,9 +395,12 @@ def _decode_split_kernel(
                     fv = fv / tl.sqrt(tl.where(ok, sv, 1.0))
                 elif V_CORR == 2:
                     fv = fv * vfac
-            else:
-                zacc = zacc * alpha + tl.sum(p * n3.to(tl.float32)[None, :], axis=1)
             pv = (p * fv[None, :]).to(tl.float16)
+            if not V_TQ:
+                # value tiles hold 1024 + code (_phase_tile): subtract 1024·Σ pv exactly, from the
+                # same rounded pv the dots use
+                zacc = zacc * alpha + tl.sum(p * n3.to(tl.float32)[None, :]
+                                             - 1024.0 * pv.to(tl.float32), axis=1)
             aa0 = _pv(aa0, alpha, pv, va0)
             if V0_CPW > 1:
                 aa1 = _pv(aa1, alpha, pv, va1)

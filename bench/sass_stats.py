@@ -1,0 +1,143 @@
+"""Static SASS statistics of the decode kernel's main loop, compiled offline for sm_90 (no GPU).
+
+The decode kernel is bound by instruction issue, not HBM (bench/results/decode_notes.md), so the
+loop's instruction count per token is a useful proxy between GPU sessions: compile with
+triton's bundled ptxas for sm_90, disassemble with nvdisasm, take the largest loop (a backward
+branch) and count its instructions by opcode. Warp instructions per token = loop instructions ×
+warps / BLOCK_N. At the H200's copy rate, turboquant_k3v4_nc (118 B/token/head) leaves about
+28 warp instructions per token (4 schedulers/SM, 132 SMs, ~1.9 GHz).
+
+    PYTHONPATH=. python3 bench/sass_stats.py --presets turboquant_k3v4_nc,tq_k4v3 [--set K=V ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tqattn.kernels import decode  # noqa: E402
+from tqattn.kernels._spec import kernel_spec  # noqa: E402
+from tqattn.quant.codec import TQCodec  # noqa: E402
+
+PTRS = {"q_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
+        "qsl_ptr": "*i32", "qpos_ptr": "*i32", "lut_ptr": "*fp32", "po_ptr": "*fp32",
+        "plse_ptr": "*fp32"}
+FLOATS = {"scale", "softcap", "kfac", "vfac"}
+ALIGNED_INTS = {"sq_r", "sq_h", "sc_b", "sc_h", "sbt", "spo_r", "spo_h", "spo_s", "spl_r", "spl_h"}
+
+
+def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 16,
+                   num_warps: int = 4, **overrides):
+    """Compile _decode_split_kernel for sm_90 as the dispatch would launch it (one row/seq)."""
+    spec = kernel_spec(TQCodec(preset, d), block_size)
+    fn = decode._decode_split_kernel
+    params = list(inspect.signature(fn.fn).parameters)
+    cex = {k: v for k, v in decode.DEFAULTS.items() if k in params}
+    cex.update(HAS_QSL=False, HAS_QPOS=False, HAS_WINDOW=False, HAS_SOFTCAP=False, GROUP=group,
+               HK=8, BLOCK_M=16, FP8_NATIVE=True, **spec.meta)
+    cex["BLOCK_N"] = cex.get("BLOCK_N") or decode._block_n(spec)
+    cex.update(overrides)
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(params):
+        if p in cex:
+            sig[p] = "constexpr"
+            consts[(i,)] = cex[p]
+        else:
+            sig[p] = PTRS.get(p, "fp32" if p in FLOATS else "i32")
+            if p in PTRS or p in ALIGNED_INTS:  # what the launcher sees at real shapes
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": 1})
+    return kernel, cex
+
+
+def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
+    """(address, instruction) pairs and label → address."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    out, labels, pending = [], {}, []
+    for line in text.splitlines():
+        lab = re.match(r"^(\.L_x_\d+):", line.strip())
+        if lab:
+            pending.append(lab.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            out.append((addr, m.group(2).strip()))
+    return out, labels
+
+
+def opcode(ins: str) -> str:
+    ins = re.sub(r"^@!?U?P\w+\s+", "", ins)  # predicate
+    return ins.split()[0].split(".")[0]
+
+
+def loop_stats(instrs: list[tuple[int, str]], labels: dict[str, int]) -> dict:
+    """Opcode counts of the largest loop (backward branch) and of the whole kernel."""
+    best = None
+    for addr, ins in instrs:
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ins)
+        target = labels.get(m.group(1)) if m else None
+        if target is not None and target < addr and (best is None or addr - target > best[1] - best[0]):
+            best = (target, addr)
+    body = [ins for a, ins in instrs if best and best[0] <= a <= best[1]]
+    count = collections.Counter(opcode(i) for i in body)
+    return {"loop_instructions": len(body), "kernel_instructions": len(instrs),
+            "loop_opcodes": dict(count.most_common()),
+            "spill_ops": sum(1 for _, i in instrs if opcode(i) in ("STL", "LDL"))}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="turboquant_k3v4_nc")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BLOCK_N=64")
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    overrides = {k: (v == "True" if v in ("True", "False") else int(v))
+                 for k, v in (s.split("=") for s in args.set)}
+    results = []
+    for preset in args.presets.split(","):
+        kernel, cex = compile_decode(preset, args.head_dim, args.group, num_warps=args.warps,
+                                     **overrides)
+        st = loop_stats(*disassemble(kernel.asm["cubin"]))
+        st.update(preset=preset, block_n=cex["BLOCK_N"], warps=args.warps,
+                  warp_instr_per_token=st["loop_instructions"] * args.warps / cex["BLOCK_N"])
+        results.append(st)
+        if not args.json:
+            top = ", ".join(f"{k} {v}" for k, v in list(st["loop_opcodes"].items())[:args.top])
+            print(f"{preset:22s} BLOCK_N={cex['BLOCK_N']:3d} loop={st['loop_instructions']:5d} "
+                  f"-> {st['warp_instr_per_token']:.1f} warp instr/token, spill ops "
+                  f"{st['spill_ops']}\n    {top}")
+    if args.json:
+        print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

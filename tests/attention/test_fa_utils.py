@@ -721,6 +721,19 @@ def test_fa3_head_size_runs_on_next_compiled_kernel(fa3_built_without):
     assert get_flash_attn_version(96, capability=(9, 0), available={2, 3}) == 2
 
 
+def test_collect_env_shows_fa3_build_flags(monkeypatch, fa3_built_without):
+    monkeypatch.setattr(fa_utils, "current_capability", lambda: (9, 0))
+    monkeypatch.setattr(fa_utils, "_torch_flash_available", lambda: True)
+    install_fakes(monkeypatch, fa3=True)
+    fa3_built_without(SOFTCAP=True, HDIM96=True, FP8=False)
+    d = env_report.collect_env()
+    assert d["fa3_disabled"] == ["FLASHATTENTION_DISABLE_HDIM96", "FLASHATTENTION_DISABLE_SOFTCAP"]
+    assert d["softcap_choice"].startswith("FA2: fallback to FA2")
+    text = env_report.format_env(d)
+    assert "FA3 built without:    FLASHATTENTION_DISABLE_HDIM96, FLASHATTENTION_DISABLE_SOFTCAP" in text
+    assert "soft-cap: FA2" in text
+
+
 def test_fa3_without_config_module_is_assumed_complete(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn_config", None)  # import raises ImportError
     fa_utils.fa3_build_flags.cache_clear()

@@ -46,7 +46,7 @@ class FakeLLM:
 
     def score(self, ids, *, chunk_size, logprobs_start):
         self.log.append(("score", self.kv, len(ids), chunk_size, logprobs_start))
-        logits = self.table[torch.tensor(ids[logprobs_start - 1:-1])]
+        logits = self.table[torch.tensor(ids[logprobs_start:])]
         if self.noise:
             g = torch.Generator().manual_seed(zlib.crc32(f"{self.kv}{ids[:8]}".encode()))
             logits = logits + self.noise * torch.randn(logits.shape, generator=g)

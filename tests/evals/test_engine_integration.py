@@ -1,7 +1,7 @@
 """The evals through the real engine on a random-weight tiny model (CPU, seconds).
 
 Skipped until the engine (tqattn.LLM, SamplingParams) exists. Perplexity scoring goes through
-LLM.score when the engine has it, else through the interim path in tqattn/evals/scoring.py.
+LLM.score (its own tests: tests/engine/test_llm_score.py).
 The model: the shipped llama-tiny config (vocab 256) in a temp dir with a byte-level tokenizer
 (token id = byte value), loaded with load_format="dummy".
 """
@@ -54,13 +54,21 @@ def _factory(model_dir, **engine_args):
                                engine_args={"enable_prefix_caching": False, **engine_args})
 
 
-def test_gsm8k_config_runs_with_limit(tiny_model_dir):
-    cfg = gsm8k.override(gsm8k.load_config("SmolLM2-135M-TQ-k3v4nc"), model=tiny_model_dir,
-                         load_format="dummy")
-    # One shot and 8 new tokens keep it fast; max_drop makes it run the auto cache first too.
-    cfg = replace(cfg, num_shots=1, max_tokens=8, pass_rule={"threshold": 0.0, "max_drop": 1.0})
-    res = gsm8k.run_gsm8k(cfg, limit=2)
-    assert res["num_questions"] == 2 and res["passed"] and res["auto_accuracy"] is not None
+@pytest.mark.parametrize("name", gsm8k.list_configs())
+def test_every_gsm8k_config_runs_with_limit(tiny_model_dir, name):
+    """Each shipped config end to end through the engine (its preset, engine args and pass rule)
+    on the tiny model; configs that need the GSM8K JSONL get generated items instead."""
+    cfg = gsm8k.override(gsm8k.load_config(name), model=tiny_model_dir, load_format="dummy",
+                         data="gsm_symbolic" if gsm8k.load_config(name).data["source"] == "jsonl" else None)
+    # One shot and 8 new tokens keep it fast; max_drop (one config) runs the auto cache first too.
+    with_auto = name == "SmolLM2-135M-TQ-k3v4nc"
+    cfg = replace(cfg, num_shots=1, max_tokens=8,
+                  engine_args={**cfg.engine_args, "kv_cache_memory_bytes": 8 << 20},
+                  pass_rule={"threshold": 0.0, **({"max_drop": 1.0} if with_auto else {})})
+    res = gsm8k.run_gsm8k(cfg, limit=1)
+    assert res["num_questions"] == 1 and res["passed"] and len(res["checks"]) == 1 + with_auto
+    assert (res["auto_accuracy"] is not None) == (with_auto or cfg.kv_cache_dtype == "auto")
+    assert res["kv_cache_dtype"] == cfg.kv_cache_dtype and res["limited"]
     assert all(isinstance(s["output"], str) for s in res["samples"])
     json.dumps(res)
 

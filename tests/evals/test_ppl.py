@@ -57,7 +57,7 @@ def test_run_ppl_end_to_end(result):
     assert (s1["num_windows"], s1["scored_tokens"], s1["num_units"]) == (7, 448, 7)
     # one model at a time, reference first; each window scored in chunks with the spec's start
     assert [e[1] for e in log if e[0] == "build"] == ["auto", "good", "bad"] * 2
-    assert {e[2:] for e in log if e[0] == "score" and e[1] == "good"} == {(256, 64, 64), (128, 32, 64)}
+    assert {e[2:] for e in log if e[0] == "score" and e[1] == "good"} == {(255, 64, 63), (127, 32, 63)}
     g, b = s0["presets"]["good"], s0["presets"]["bad"]
     assert 0 < g["kl"]["value"] < b["kl"]["value"]
     assert g["kl"]["low"] <= g["kl"]["value"] <= g["kl"]["high"]

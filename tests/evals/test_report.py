@@ -68,6 +68,8 @@ def test_run_report_end_to_end(tmp_path, monkeypatch, fake_params):
     rep = report.run_report(plan, tmp_path / "out", command="tqattn eval report x",
                             factories={"default": lambda kv: FakeLLM(kv, answer)})
     rows = {r["preset"]: r for r in rep["rows"]}
+    assert rep["command"] == "tqattn eval report x" and rep["date"] <= rep["finished"]
+    assert "torch" in rep["versions"]
     assert list(rows) == ["auto", "tq_k3v4", "tq_k4v4", "turboquant_k3v4_nc"]
     assert rows["auto"]["kl"]["value"] == 0 and rows["auto"]["top1"]["value"] == 1
     assert rows["tq_k3v4"]["bytes_per_token"] == 30 * 3 * 60

@@ -6,6 +6,8 @@ import itertools
 import time
 from collections.abc import Sequence as Seq
 
+import torch
+
 from .llm_engine import EngineArgs, LLMEngine, format_plan
 from .outputs import RequestOutput
 from .sampling import SamplingParams
@@ -66,6 +68,45 @@ class LLM:
                 engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def score(self, prompt_token_ids: Seq[int], *, chunk_size: int = 256,
+              logprobs_start: int = 0) -> torch.Tensor:
+        """Teacher-forced next-token log-probs: float32 (len(prompt_token_ids) - logprobs_start, vocab).
+
+        Row j is log_softmax of the logits at position ``logprobs_start + j``, the model's
+        distribution of the token after ``prompt_token_ids[logprobs_start + j]`` given it and
+        all tokens before it. The tokens are prefilled through the engine as consecutive chunks
+        of ``chunk_size`` (the last may be shorter), one step each — what chunked prefill of a
+        generate() request with max_num_batched_tokens=chunk_size does: every chunk's K/V is
+        written to the cache (compressed on TurboQuant layers) and its queries attend to the
+        cached earlier chunks plus their own chunk. Only rows from ``logprobs_start`` on go
+        through the LM head. The prefix cache is not used; the blocks are freed afterwards.
+        """
+        engine = self.llm_engine
+        ids = list(prompt_token_ids) if not isinstance(prompt_token_ids, (str, dict)) else None
+        if ids is None:
+            raise ValueError("score() takes a sequence of token ids, not text; tokenize it first "
+                             "(llm.tokenizer.encode(text))")
+        n, vocab, max_len = len(ids), engine.model_info.vocab_size, engine.scheduler.config.max_model_len
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are not in [0, {vocab})")
+        if not 1 <= n <= max_len:
+            raise ValueError(f"score() needs 1 to max_model_len={max_len} tokens, got {n}")
+        for name, v in (("chunk_size", chunk_size), ("logprobs_start", logprobs_start)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if not 0 <= logprobs_start < n:
+            raise ValueError(f"logprobs_start must be in [0, {n - 1}] for {n} tokens, got {logprobs_start}")
+        need = -(-n // engine.block_manager.block_size)
+        if need > min(engine.block_manager.num_blocks):
+            raise ValueError(f"{n} tokens need {need} KV blocks; the cache has "
+                             f"{min(engine.block_manager.num_blocks)}")
+        if engine.has_unfinished_requests():
+            raise RuntimeError("score() runs on an idle engine; finish or abort the running requests first")
+        return engine.score(ids, chunk_size, logprobs_start)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -22,7 +22,7 @@ from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks,
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling import SamplingParams, make_generator
-from .scheduler import Scheduler
+from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -202,6 +202,43 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ---- scoring ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], chunk_size: int, logprobs_start: int) -> torch.Tensor:
+        """Next-token log-probs at positions logprobs_start.. of token_ids (see LLM.score).
+
+        The tokens are prefilled as one sequence in consecutive chunks of chunk_size, one
+        model-runner step per chunk through the same metadata, cache writes and attention
+        backends as a generate() prefill; the prefix cache is neither read nor written, and
+        the blocks are freed before returning (also on error).
+        """
+        n, bm = len(token_ids), self.block_manager
+        seq = Sequence(token_ids, SamplingParams(temperature=0.0, max_tokens=1),
+                       seq_id=("score", id(token_ids)))
+        out = None  # (n - logprobs_start, LM-head width), allocated at the first scored chunk
+        try:
+            for pos in range(0, n, chunk_size):
+                m = min(chunk_size, n - pos)
+                if not bm.allocate_slots(seq, m):
+                    raise RuntimeError(f"the KV cache has no free blocks for {n} tokens "
+                                       f"({bm.num_free_blocks()} free blocks of {bm.block_size})")
+                rows = list(range(max(logprobs_start - pos, 0), m))
+                sched = ScheduledSeq(seq, m, False, pos)
+                input_ids, positions, metadata, _ = self.runner._prepare([sched])
+                if rows:
+                    logits = self.runner.forward(input_ids, positions, metadata, rows)
+                    if out is None:
+                        out = torch.empty(n - logprobs_start, logits.shape[-1], dtype=torch.float32)
+                    a = pos + rows[0] - logprobs_start
+                    out[a:a + len(rows)] = torch.log_softmax(logits.float(), -1).cpu()
+                else:  # nothing to score in this chunk: no LM head
+                    self.runner.forward(input_ids, positions, metadata, [])
+                seq.num_computed_tokens += m
+        finally:
+            bm.free(seq)
+        return out
 
     # ---- step ------------------------------------------------------------------------------------
 

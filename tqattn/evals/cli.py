@@ -55,6 +55,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", help="run only the plan's models with this name or model")
     p.add_argument("--presets", type=_presets, help="comma-separated presets (overrides the plan)")
     p.add_argument("--skip", type=_str_list, default=[], help="comma-separated parts to skip: ppl,niah,gsm")
+    p.add_argument("--context-len", type=_int_list, default=None,
+                   help="comma-separated: run only the plan's perplexity specs of these context lengths")
     p.add_argument("--out-dir", default="eval_report")
     p.add_argument("--dry-run", action="store_true", help="print the work estimate and exit")
     p.set_defaults(func=cmd_report)
@@ -211,6 +213,9 @@ def cmd_report(args) -> int:
                           if m.get("name") in args.model or m["model"] in args.model]
         if not plan["models"]:
             raise SystemExit(f"no model of plan {args.plan!r} matches {args.model}")
+    if args.context_len:
+        for m in plan["models"]:
+            m["ppl"] = [s for s in m.get("ppl") or [] if s.get("context_len", 2048) in args.context_len]
     for e in estimate(plan):
         print(f"{e['model']}: ~{e['ppl_tokens']:,} tokens of perplexity prefill, "
               f"~{e['niah_tokens']:,} tokens of NIAH prefill")

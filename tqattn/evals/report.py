@@ -210,7 +210,10 @@ def _ci(f: dict | None, fmt: str) -> str:
 
 def markdown(report: dict) -> str:
     lines = ["# KV-cache preset sweep", "",
-             f"Command: `{report['command']}`  ", f"Plan: `{report['plan_name']}`; "
+             f"Command: `{report['command']}`  ",
+             f"Date: {report.get('date', '?')} to {report.get('finished', '(running)')}; "
+             f"versions: {', '.join(f'{k} {v}' for k, v in report.get('versions', {}).items())}  ",
+             f"Plan: `{report['plan_name']}`; "
              f"reference: `auto` cache; figures pooled over all perplexity specs of a model; "
              f"[95 % bootstrap interval]. Bytes/token: whole model, K+V, all layers "
              f"(full-precision layers as bf16).", ""]
@@ -295,7 +298,7 @@ def run_report(plan: dict, out_dir: str | Path, *, command: str = "", plan_name:
     out_dir.mkdir(parents=True, exist_ok=True)
     baseline = plan.get("baseline", "turboquant_k3v4_nc")
     report = {"command": command, "plan_name": plan_name, "plan": plan, "baseline": baseline,
-              "models": [], "rows": [], "comparisons": [], "versions": _versions()}
+              "date": _now(), "models": [], "rows": [], "comparisons": [], "versions": _versions()}
     for m in plan["models"]:
         presets = list(m.get("presets") or plan.get("presets") or [])
         if baseline not in presets:
@@ -310,6 +313,7 @@ def run_report(plan: dict, out_dir: str | Path, *, command: str = "", plan_name:
         if "niah" in res:
             niah.plot_heatmaps(res["niah"], out_dir, res["name"])
         _write(report, out_dir)  # partial results survive a later failure
+    report["finished"] = _now()
     _write(report, out_dir)
     plot_quality(report, out_dir / "quality_vs_bits.png")
     return report
@@ -332,6 +336,12 @@ def _json_default(x):
     if isinstance(x, float) and math.isnan(x):
         return None
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
+
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def _versions() -> dict:

@@ -10,14 +10,14 @@ Engine API assumed (vLLM's offline shape plus one scoring call):
 * ``llm.get_tokenizer()`` -> the Hugging Face tokenizer (chat template, token counting)
 * ``llm.score(prompt_token_ids: list[int], *, chunk_size: int, logprobs_start: int)
   -> torch.Tensor`` float32, shape ``(len(prompt_token_ids) - logprobs_start, vocab_size)``:
-  row j is log_softmax of the logits at position ``logprobs_start - 1 + j``, i.e. the model's
-  log-distribution of token ``prompt_token_ids[logprobs_start + j]`` given all tokens before it.
-  The sequence is prefilled as consecutive chunks of ``chunk_size`` tokens (the last may be
-  shorter), each one engine step through the normal cache path: the chunk's K/V is written to
-  the (compressed) cache and its queries attend to the cached history of the earlier chunks —
-  compressed on TurboQuant layers — plus the raw K/V of their own chunk, exactly as chunked
-  prefill of a generate() request with max_num_batched_tokens = chunk_size. Its blocks are freed
-  afterwards. Rows before ``logprobs_start - 1`` need no LM head.
+  row j is log_softmax of the logits at position ``logprobs_start + j`` (the distribution of
+  the token after it), computed through the engine's real chunked prefill — consecutive chunks
+  of ``chunk_size`` tokens, each chunk's K/V written to the (compressed) cache and its queries
+  attending to the cached earlier chunks plus their own raw chunk — with the blocks freed
+  afterwards (tqattn/engine/llm.py).
+
+:func:`score_tokens` scores tokens[start:] of a window: it feeds tokens[:-1] (the last token is
+only a target) with ``logprobs_start = start - 1``.
 """
 
 from __future__ import annotations
@@ -106,70 +106,17 @@ def generate_texts(llm: Any, prompts: list[str], params: Any) -> list[str]:
 
 
 def score_tokens(llm: Any, token_ids: list[int], chunk_size: int, start: int) -> torch.Tensor:
-    """Log-probs (len - start, vocab) float32 of tokens[start:] under chunked prefill (see above)."""
+    """Log-probs (len - start, vocab) float32: row j is the log-distribution of token_ids[start + j]
+    given the tokens before it, under chunked prefill of token_ids[:-1] (see above)."""
     n = len(token_ids)
     if not 1 <= start < n:
         raise ValueError(f"start={start} must be in [1, {n - 1}] for a {n}-token sequence")
     score = getattr(llm, "score", None)
-    if callable(score):
-        out = score(list(token_ids), chunk_size=chunk_size, logprobs_start=start)
-    elif hasattr(llm, "llm_engine"):
-        out = _score_via_engine_internals(llm, list(token_ids), chunk_size, start)
-    else:
+    if not callable(score):
         raise EngineUnavailable("the engine has no LLM.score(prompt_token_ids, chunk_size=, "
                                 "logprobs_start=); perplexity/KL evals need it (tqattn/evals/scoring.py)")
+    out = score(list(token_ids[:-1]), chunk_size=chunk_size, logprobs_start=start - 1)
     if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != n - start:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise RuntimeError(f"LLM.score returned {shape}; expected ({n - start}, vocab) log-probs")
     return out.float()
-
-
-_warned = False
-
-
-@torch.inference_mode()
-def _score_via_engine_internals(llm: Any, ids: list[int], chunk_size: int, start: int) -> torch.Tensor:
-    """INTERIM, until the engine has LLM.score: the same computation through engine internals.
-
-    Runs ``generate`` on ids[:-1] with max_tokens=1 (so a window may be max_model_len long),
-    with the scheduler's token budget set to `chunk_size` for the call, and wraps the model
-    runner's forward to keep the logits of every prefill position (it normally keeps only the
-    last). Raises if the prefill did not run as consecutive chunks of `chunk_size` tokens (e.g.
-    a prefix-cache hit shifted them).
-    """
-    global _warned
-    if not _warned:
-        import logging
-
-        logging.getLogger(__name__).warning(
-            "LLM.score is missing: scoring through engine internals (scheduler budget + model "
-            "runner forward); replace with LLM.score when the engine has it")
-        _warned = True
-    _, SamplingParams = _engine()
-    eng = llm.llm_engine
-    runner, cfg = eng.runner, eng.scheduler.config
-    n = len(ids)
-    rows: list[torch.Tensor] = []
-    seen: list[tuple[int, int]] = []
-    orig_forward, orig_budget = runner.forward, cfg.max_num_batched_tokens
-
-    def forward(input_ids, positions, metadata, sample_idx):
-        m = input_ids.shape[0]
-        logits = orig_forward(input_ids, positions, metadata, list(range(m)))
-        p0 = int(positions[0])
-        seen.append((p0, m))
-        keep = torch.arange(m) + p0 >= start - 1   # rows predicting tokens start..n-1
-        rows.append(torch.log_softmax(logits[keep.to(logits.device)].float(), -1).cpu())
-        return logits[sample_idx]
-
-    runner.forward, cfg.max_num_batched_tokens = forward, chunk_size
-    try:
-        llm.generate([{"prompt_token_ids": ids[:-1]}], SamplingParams(temperature=0.0, max_tokens=1),
-                     use_tqdm=False)
-    finally:
-        runner.forward, cfg.max_num_batched_tokens = orig_forward, orig_budget
-    expected = [(p, min(chunk_size, n - 1 - p)) for p in range(0, n - 1, chunk_size)]
-    if seen != expected:
-        raise RuntimeError(f"prefill ran as chunks {seen[:4]}...; expected {expected[:4]}... "
-                           "(disable prefix caching for scoring)")
-    return torch.cat(rows)

@@ -87,10 +87,8 @@ class LLM:
         if ids is None:
             raise ValueError("score() takes a sequence of token ids, not text; tokenize it first "
                              "(llm.tokenizer.encode(text))")
-        n, vocab, max_len = len(ids), engine.model_info.vocab_size, engine.scheduler.config.max_model_len
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are not in [0, {vocab})")
+        n, max_len = len(ids), engine.scheduler.config.max_model_len
+        engine.check_token_ids(ids)
         if not 1 <= n <= max_len:
             raise ValueError(f"score() needs 1 to max_model_len={max_len} tokens, got {n}")
         for name, v in (("chunk_size", chunk_size), ("logprobs_start", logprobs_start)):

@@ -166,6 +166,13 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} instead of text")
         return list(self.tokenizer.encode(prompt))
 
+    def check_token_ids(self, token_ids: list, prefix: str = "") -> None:
+        """Raise ValueError naming the ids that are not ints in [0, vocab)."""
+        vocab = self.model_info.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{prefix}prompt token ids {bad[:5]} are not in [0, {vocab})")
+
     def add_request(self, request_id: Hashable, prompt: str | dict | list[int],
                     params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
@@ -179,10 +186,7 @@ class LLMEngine:
             token_ids = self.encode(text)
         else:
             raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        vocab = self.model_info.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"request {request_id!r}: prompt token ids {bad[:5]} are not in [0, {vocab})")
+        self.check_token_ids(token_ids, f"request {request_id!r}: ")
         if not token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         if request_id in self.requests:

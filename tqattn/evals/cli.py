@@ -95,17 +95,11 @@ def _engine_args(items: list[str]) -> dict:
 def _write_json(obj, path: str | None) -> None:
     """Write a result file that records how it was made (command, versions, date)."""
     if path:
-        import datetime
-        import platform
-
-        import torch
+        from .report import run_versions, utc_now
 
         if isinstance(obj, dict):
             obj = dict(obj, command="tqattn " + shlex.join(sys.argv[1:]),
-                       env={"torch": torch.__version__, "python": platform.python_version(),
-                            "device": "cuda" if torch.cuda.is_available() else "cpu",
-                            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                                timespec="seconds")})
+                       env=dict(run_versions(), date=utc_now()))
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(obj, indent=1))
         print(f"wrote {path}")

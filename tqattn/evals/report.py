@@ -298,7 +298,7 @@ def run_report(plan: dict, out_dir: str | Path, *, command: str = "", plan_name:
     out_dir.mkdir(parents=True, exist_ok=True)
     baseline = plan.get("baseline", "turboquant_k3v4_nc")
     report = {"command": command, "plan_name": plan_name, "plan": plan, "baseline": baseline,
-              "date": _now(), "models": [], "rows": [], "comparisons": [], "versions": _versions()}
+              "date": utc_now(), "models": [], "rows": [], "comparisons": [], "versions": run_versions()}
     for m in plan["models"]:
         presets = list(m.get("presets") or plan.get("presets") or [])
         if baseline not in presets:
@@ -313,7 +313,7 @@ def run_report(plan: dict, out_dir: str | Path, *, command: str = "", plan_name:
         if "niah" in res:
             niah.plot_heatmaps(res["niah"], out_dir, res["name"])
         _write(report, out_dir)  # partial results survive a later failure
-    report["finished"] = _now()
+    report["finished"] = utc_now()
     _write(report, out_dir)
     plot_quality(report, out_dir / "quality_vs_bits.png")
     return report
@@ -338,13 +338,13 @@ def _json_default(x):
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
 
 
-def _now() -> str:
+def utc_now() -> str:
     import datetime
 
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _versions() -> dict:
+def run_versions() -> dict:
     import platform
 
     import torch

@@ -5,8 +5,9 @@ split, row block): all query heads of the KV group (and, for multi-row calls, se
 the ``BLOCK_M`` rows of the ``tl.dot`` calls, so each compressed byte is read once per group.
 The query is rotated once on the host side (one fp32 GEMM) and scored against centroid tiles in
 the rotated basis: ``score_j = scale · n_j · ⟨q R, ĉ_j⟩ / ‖ĉ_j‖`` (nc) — the per-token factor
-scales the score column, never K. Uniform values enter as their integer codes:
-``p·v = (p·scale) @ codes + p·zero``; rotated ("tq") values as centroids with ``p`` scaled by
+scales the score column, never K. Uniform values enter as their codes, offset by 1024 so that
+they are fp16 bit patterns (``0x6400 | code``) rather than int→float conversions:
+``p·v = (p·scale) @ (1024 + codes) + p·zero − 1024·Σ(p·scale)``; rotated ("tq") values as centroids with ``p`` scaled by
 ``n/‖ĉ‖`` — accumulated in the rotated basis and un-rotated once after the merge.
 
 Inner loop: a packed word holds CPW codes (8 for 3-bit, 2 for 4-bit); code i of every word
@@ -71,7 +72,8 @@ def _words(b0, b1, b2, W: tl.constexpr):
 @triton.jit
 def _phase_tile(w, I: tl.constexpr, lut_ptr, cm, LUT_ON: tl.constexpr, FP8: tl.constexpr,
                 FP8_NATIVE: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr):
-    """Code I of every word → fp16 tile [N, GP] (centroid / fp8 key / integer code) and Σc² [N]."""
+    """Code I of every word → fp16 tile [N, GP] (centroid / fp8 key / 1024 + uniform code) and
+    Σc² [N]."""
     code = (w >> (BITS * I)) & ((1 << BITS) - 1)
     if FP8 and FP8_NATIVE:
         v = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)

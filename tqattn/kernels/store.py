@@ -4,8 +4,8 @@ Math = :func:`tqattn.quant.paged.store_ref` (= ``TQCodec.encode`` with ``on_nonf
 "propagate"`` + the page layout). One program per ``HB`` consecutive (token, KV head) rows of
 the step's flattened ``N·Hk`` rows, one launch per layer per step, no host sync. 16 rows per
 program is fastest at every step size measured (bench/results/store_dequant_h200.json: 32 rows
-1.6x, 64 rows 19x slower at 16K tokens; the fp32 rotation tile then spills). The rotation is a fp32 ``tl.dot`` (IEEE, K-chunked)
-inside the kernel; division and square root use IEEE rounding so codes match the reference
+1.6x, 64 rows 19x slower at 16K tokens; the fp32 rotation tile then spills). The rotation is a
+fp32 ``tl.dot`` (IEEE, K-chunked) inside the kernel; division and square root use IEEE rounding so codes match the reference
 except where the different summation order of the norm / rotation moves a value across a
 bucket boundary (rare, bounded in the tests).
 """

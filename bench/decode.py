@@ -206,6 +206,10 @@ def main():
     ap.add_argument("--extra", action="store_true", default=True)
     ap.add_argument("--no-extra", dest="extra", action="store_false")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--configs", type=json.loads, default=None,
+                    help='--tune: JSON list of kernel configs, e.g. \'[{"maxnreg": 128}]\'')
+    ap.add_argument("--tune-shapes", default="8x16384,32x16384,128x4096,1x16384",
+                    help="--tune: comma-separated BATCHxCONTEXT shapes (32/8/128 heads)")
     ap.add_argument("--autotune", action="store_true",
                     help="time a few kernel configs at B=32, L=16K first and use the fastest")
     ap.add_argument("--out", default="bench/results")
@@ -256,10 +260,11 @@ def main():
             print(f"autotune: using {decode_mod.DEFAULTS}", flush=True)
         save()
     if args.tune:
-        configs = [dict(BLOCK_N=bn, num_warps=w, num_stages=s)
-                   for bn, w, s in [(32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 8, 1), (64, 8, 2),
-                                    (128, 8, 1), (128, 4, 1)]]
-        shapes = [(8, 16384), (32, 16384), (128, 4096), (1, 16384)]
+        configs = args.configs or [
+            dict(BLOCK_N=bn, num_warps=w, num_stages=s)
+            for bn, w, s in [(32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 8, 1), (64, 8, 2),
+                             (128, 8, 1), (128, 4, 1)]]
+        shapes = [tuple(map(int, x.split("x"))) for x in args.tune_shapes.split(",")]
         for b, l in shapes:
             rows += run_shape(timer, 32, 8, 128, b, l, presets, copy["gbs_rw"], fa3,
                               tune=configs)

@@ -40,7 +40,7 @@ ALIGNED_INTS = {"sq_r", "sq_h", "sc_b", "sc_h", "sbt", "spo_r", "spo_h", "spo_s"
 
 
 def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 16,
-                   num_warps: int = 4, **overrides):
+                   num_warps: int = 4, maxnreg: int | None = None, **overrides):
     """Compile _decode_split_kernel for sm_90 as the dispatch would launch it (one row/seq)."""
     spec = kernel_spec(TQCodec(preset, d), block_size)
     fn = decode._decode_split_kernel
@@ -61,7 +61,8 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": 1})
+                            options={"num_warps": num_warps, "num_stages": 1,
+                                     **({"maxnreg": maxnreg} if maxnreg else {})})
     return kernel, cex
 
 
@@ -90,6 +91,24 @@ def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
     return out, labels
 
 
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers per thread, shared memory and stack per program (cuobjdump -res-usage)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    return {k.lower(): int(v) for k, v in re.findall(r"(REG|SHARED|STACK):(\d+)", text)}
+
+
+def occupancy(res: dict[str, int], warps: int, shared: int) -> int:
+    """Programs resident per sm_90 SM: 64K registers, 228 KB shared, 64 warps."""
+    regs = res["reg"] * 32 * warps
+    smem = max(res.get("shared", 0), shared)
+    return min(65536 // max(regs, 1), 233472 // max(smem, 1) if smem else 64, 64 // warps)
+
+
 def opcode(ins: str) -> str:
     ins = re.sub(r"^@!?U?P\w+\s+", "", ins)  # predicate
     return ins.split()[0].split(".")[0]
@@ -116,6 +135,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
     ap.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BLOCK_N=64")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--json", action="store_true")
@@ -125,8 +145,11 @@ def main():
     results = []
     for preset in args.presets.split(","):
         kernel, cex = compile_decode(preset, args.head_dim, args.group, num_warps=args.warps,
-                                     **overrides)
+                                     maxnreg=args.maxnreg, **overrides)
         st = loop_stats(*disassemble(kernel.asm["cubin"]))
+        res = resources(kernel.asm["cubin"])
+        st.update(resources=res, programs_per_sm=occupancy(res, args.warps,
+                                                             kernel.metadata.shared))
         st.update(preset=preset, block_n=cex["BLOCK_N"], warps=args.warps,
                   warp_instr_per_token=st["loop_instructions"] * args.warps / cex["BLOCK_N"])
         results.append(st)
@@ -134,7 +157,8 @@ def main():
             top = ", ".join(f"{k} {v}" for k, v in list(st["loop_opcodes"].items())[:args.top])
             print(f"{preset:22s} BLOCK_N={cex['BLOCK_N']:3d} loop={st['loop_instructions']:5d} "
                   f"-> {st['warp_instr_per_token']:.1f} warp instr/token, spill ops "
-                  f"{st['spill_ops']}\n    {top}")
+                  f"{st['spill_ops']}, {res['reg']} regs, {kernel.metadata.shared} B shared "
+                  f"-> {st['programs_per_sm']} programs/SM\n    {top}")
     if args.json:
         print(json.dumps(results, indent=1))
 

@@ -82,6 +82,21 @@ def test_decode_presets_gpu(name):
     _decode_case(name, 128, 8, 4, 16, [1, 700, 4100, 2000])
 
 
+@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3"])
+def test_decode_long_split_gpu(name):
+    """One split over 32K tokens: the accumulator sums 32K products, where a cancelling
+    offset in it (an earlier value trick) lost the output to the tensor cores' truncating
+    fp32 accumulation."""
+    from tqattn.kernels.decode import decode_attention_triton
+    codec = _codec(name, 128)
+    cache, bt, seq_lens = filled_cache(codec, [32768, 20000], 2, 16, device=DEV, key_scale=2.0)
+    q = torch.randn(2, 8, 128, device=DEV, dtype=torch.bfloat16)
+    ref = paged.decode_attention_ref(codec, q, cache, bt, seq_lens)
+    for splits in (1, 7):
+        out = decode_attention_triton(codec, q, cache, bt, seq_lens, num_splits=splits)
+        assert rel_err(out, ref) < 1e-2, splits
+
+
 @pytest.mark.parametrize("d", [64, 80, 96, 192, 256])
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k3.5v3.5", "turboquant_k8v4"])
 def test_decode_head_sizes_gpu(name, d):

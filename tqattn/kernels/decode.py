@@ -5,9 +5,8 @@ split, row block): all query heads of the KV group (and, for multi-row calls, se
 the ``BLOCK_M`` rows of the ``tl.dot`` calls, so each compressed byte is read once per group.
 The query is rotated once on the host side (one fp32 GEMM) and scored against centroid tiles in
 the rotated basis: ``score_j = scale · n_j · ⟨q R, ĉ_j⟩ / ‖ĉ_j‖`` (nc) — the per-token factor
-scales the score column, never K. Uniform values enter as their codes, offset by 1024 so that
-they are fp16 bit patterns (``0x6400 | code``) rather than int→float conversions:
-``p·v = (p·scale) @ (1024 + codes) + p·zero − 1024·Σ(p·scale)``; rotated ("tq") values as centroids with ``p`` scaled by
+scales the score column, never K. Uniform values enter as their codes
+(``p·v = (p·scale) @ codes + p·zero``); rotated ("tq") values as centroids with ``p`` scaled by
 ``n/‖ĉ‖`` — accumulated in the rotated basis and un-rotated once after the merge.
 
 Inner loop: a packed word holds CPW codes (8 for 3-bit, 2 for 4-bit); code i of every word
@@ -72,7 +71,7 @@ def _words(b0, b1, b2, W: tl.constexpr):
 @triton.jit
 def _phase_tile(w, I: tl.constexpr, lut_ptr, cm, LUT_ON: tl.constexpr, FP8: tl.constexpr,
                 FP8_NATIVE: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr):
-    """Code I of every word → fp16 tile [N, GP] (centroid / fp8 key / 1024 + uniform code) and
+    """Code I of every word → fp16 tile [N, GP] (centroid / fp8 key / uniform code) and
     Σc² [N]."""
     code = (w >> (BITS * I)) & ((1 << BITS) - 1)
     if FP8 and FP8_NATIVE:
@@ -83,9 +82,11 @@ def _phase_tile(w, I: tl.constexpr, lut_ptr, cm, LUT_ON: tl.constexpr, FP8: tl.c
         v = c.to(tl.float16)
         ss = tl.sum(c * c, axis=1)
     else:
-        # 1024 + code as fp16 bits (0x6400 | code): no int→float conversion (a quarter-rate
-        # instruction); the caller removes 1024·Σp from the accumulator through the zero term
-        v = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        # the code as fp16 without an int→float conversion (quarter-rate): the bits 0x6400 | code
+        # are the fp16 1024 + code, and subtracting 1024 in fp16 is exact. (Subtracting
+        # 1024·Σp from the fp32 accumulator instead lost the output to the tensor cores'
+        # truncating accumulation at long splits: cosine 0.79 at 16K tokens per split.)
+        v = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
         ss = tl.zeros([code.shape[0]], tl.float32)
     return v, ss
 
@@ -399,10 +400,7 @@ def _decode_split_kernel(
                     fv = fv * vfac
             pv = (p * fv[None, :]).to(tl.float16)
             if not V_TQ:
-                # value tiles hold 1024 + code (_phase_tile): subtract 1024·Σ pv exactly, from the
-                # same rounded pv the dots use
-                zacc = zacc * alpha + tl.sum(p * n3.to(tl.float32)[None, :]
-                                             - 1024.0 * pv.to(tl.float32), axis=1)
+                zacc = zacc * alpha + tl.sum(p * n3.to(tl.float32)[None, :], axis=1)
             aa0 = _pv(aa0, alpha, pv, va0)
             if V0_CPW > 1:
                 aa1 = _pv(aa1, alpha, pv, va1)
@@ -478,7 +476,7 @@ def _num_sms(device) -> int:
 # 128 tokens / 4 warps / register prefetch was fastest for turboquant_k3v4_nc; Triton's own
 # pipelining (num_stages > 1) routes the centroid gathers through shared memory and is 3-4x slower.
 DEFAULTS = {"BLOCK_N": None, "num_warps": 4, "num_stages": 1, "target_programs": 4,
-            "PREFETCH": True}
+            "PREFETCH": True, "maxnreg": None}
 
 
 def _block_n(spec) -> int:
@@ -554,7 +552,7 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"] or _block_n(spec), NUM_SPLITS=num_splits,
         PREFETCH=cfg["PREFETCH"],
         FP8_NATIVE=not interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **spec.meta)
+        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}), **spec.meta)
 
     v_rot = spec.meta["V_TQ"]
     if out is None:

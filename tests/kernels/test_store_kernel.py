@@ -17,12 +17,12 @@ PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turbo
            "tq_k3v4_debias"]
 
 
-def _store_both(codec, k, v, slots, nb, bs, hk):
+def _store_both(codec, k, v, slots, nb, bs, hk, **kw):
     from tqattn.kernels.store import store_kv_triton
     init = torch.randint(0, 256, paged.kv_cache_shape(nb, bs, hk, codec), dtype=torch.uint8)
     a, b = init.clone(), init.clone()
     paged.store_ref(codec, k, v, a, slots)
-    store_kv_triton(codec, k, v, b, slots)
+    store_kv_triton(codec, k, v, b, slots, **kw)
     return a, b
 
 
@@ -58,6 +58,29 @@ def test_store_rows_per_program(name, rows_per_program):
     c = b.clone()
     store_kv_triton(codec, k, v, c, slots, rows_per_program)
     assert torch.equal(c, b)
+
+
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "tq_k3.5v3.5"])
+def test_store_tf32x3_rotation(name):
+    """The GPU's rotation (hi/lo split, three dots; the interpreter computes each dot in fp32)
+    lands within ~2^-22 of the reference: codes differ at most where a coordinate sits on a
+    bucket boundary, i.e. (almost) never."""
+    codec = TQCodec(name, 64)
+    hk, n, nb, bs = 4, 64, 4, 16
+    k, v = torch.randn(n, hk, 64) * 3, torch.randn(n, hk, 64)
+    k[3, 1, 5] = math.nan
+    slots = torch.randperm(nb * bs)[:n]
+    a, b = _store_both(codec, k, v, slots, nb, bs, hk, rotation_precision="tf32x3")
+    assert (a != b).float().mean().item() < 1e-3
+
+
+def test_store_rotation_precision_is_checked():
+    from tqattn.kernels.store import store_kv_triton
+    codec = TQCodec("tq_k4v3", 64)
+    cache = torch.zeros(paged.kv_cache_shape(1, 16, 1, codec), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="rotation_precision='tf32'"):
+        store_kv_triton(codec, torch.randn(1, 1, 64), torch.randn(1, 1, 64), cache,
+                        torch.zeros(1, dtype=torch.long), rotation_precision="tf32")
 
 
 def test_store_half_inputs():

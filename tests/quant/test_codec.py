@@ -164,3 +164,24 @@ def test_odd_offset_fp16_fields_decode_for_any_batch(shape):
     x = torch.randn(shape)
     k, v = codec.decode(codec.encode(x, x))
     assert k.shape == x.shape and v.shape == x.shape
+
+
+@pytest.mark.parametrize("precision", ["high", "medium"])
+def test_encode_ignores_reduced_matmul_precision(precision):
+    """A user's TF32 / bf16 matmul setting changes neither the codes (the rotation GEMM runs at
+    full fp32) nor survives changed past the encode."""
+    codec = TQCodec("tq_k3v4", 64)
+    k, v = torch.randn(40, 2, 64), torch.randn(40, 2, 64)
+    ref = codec.encode(k, v)
+    apis = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    initial = [api.fp32_precision for api in apis]
+    torch.set_float32_matmul_precision(precision)
+    try:
+        before = [api.fp32_precision for api in apis]
+        assert torch.equal(codec.encode(k, v), ref)
+        assert torch.get_float32_matmul_precision() == precision
+        assert [api.fp32_precision for api in apis] == before
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        for api, prec in zip(apis, initial):
+            api.fp32_precision = prec

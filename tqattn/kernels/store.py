@@ -2,12 +2,13 @@
 
 Math = :func:`tqattn.quant.paged.store_ref` (= ``TQCodec.encode`` with ``on_nonfinite=
 "propagate"`` + the page layout). One program per ``HB`` consecutive (token, KV head) rows of
-the step's flattened ``N·Hk`` rows, one launch per layer per step, no host sync. 16 rows per
-program is fastest at every step size measured (bench/results/store_dequant_h200.json: 32 rows
-1.6x, 64 rows 19x slower at 16K tokens; the fp32 rotation tile then spills). The rotation is a
-fp32 ``tl.dot`` (IEEE, K-chunked) inside the kernel; division and square root use IEEE rounding so codes match the reference
-except where the different summation order of the norm / rotation moves a value across a
-bucket boundary (rare, bounded in the tests).
+the step's flattened ``N·Hk`` rows, one launch per layer per step, no host sync. The rotation
+is an fp32-accurate ``tl.dot`` inside the kernel (K-chunked): on the GPU three TF32 tensor-core
+dots on a hi/lo split of both operands ("tf32x3", ~2^-22 relative error); IEEE fp32 dots on the
+FMA units under the interpreter. Division and square root use IEEE rounding, so codes match the
+reference except where the different summation order / the dropped lo·lo term moves a value
+across a bucket boundary (rare, bounded in the tests). Rows per program and timings:
+bench/results/store_dequant_h200.json.
 """
 
 from __future__ import annotations
@@ -66,20 +67,43 @@ def _store_codes(code, cache_ptr, base, off, h_ok, HB: tl.constexpr, BS: tl.cons
 @triton.jit
 def _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D: tl.constexpr, DP: tl.constexpr,
             BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr, COUNT: tl.constexpr,
-            FDP: tl.constexpr):
+            FDP: tl.constexpr, TF32X3: tl.constexpr):
     """Rotated unit vectors restricted to coordinates [START, START+COUNT): [HB, FDP] fp32."""
     j = tl.arange(0, FDP)
     y = tl.zeros([HB, FDP], tl.float32)
     for k0 in tl.static_range(0, DP, BK):
         kk = k0 + tl.arange(0, BK)
-        xk = tl.load(x_ptr + rows[:, None] + kk[None, :], mask=h_ok[:, None] & (kk < D)[None, :],
-                     other=0.0).to(tl.float32)
-        uk = tl.math.div_rn(tl.where(bad[:, None], 0.0, xk), den[:, None])
         r = tl.load(rot_ptr + kk[:, None] * D + START + j[None, :],
                     mask=(kk < D)[:, None] & (j < COUNT)[None, :], other=0.0)
-        # "ieee": triton 3.6 fails to compile "tf32x3" here (ConvertTritonGPUToLLVM, H200)
-        y += tl.dot(uk, r, input_precision="ieee")
+        if TF32X3:
+            # fp32 accuracy on the tensor cores: x·r ≈ x_hi·r_hi + x_hi·r_lo + x_lo·r_hi with
+            # v_hi = v truncated to TF32's 10 mantissa bits (exact in a TF32 dot) and
+            # v_lo = v − v_hi; the dropped x_lo·r_lo is ~2^-22 of the product. (Triton 3.6's own
+            # "tf32x3" fails to compile here, and so does any select or division between the
+            # load and the split: bad rows are masked at the load and the division by the norm
+            # follows the dots.)
+            xk = tl.load(x_ptr + rows[:, None] + kk[None, :],
+                         mask=(h_ok & (bad == 0))[:, None] & (kk < D)[None, :],
+                         other=0.0).to(tl.float32)
+            xh, xl = _tf32_split(xk)
+            rh, rl = _tf32_split(r)
+            y = tl.dot(xl, rh, y, input_precision="tf32")
+            y = tl.dot(xh, rl, y, input_precision="tf32")
+            y = tl.dot(xh, rh, y, input_precision="tf32")
+        else:  # IEEE fp32 on the FMA units (the whole store 1.5x slower at 16K tokens)
+            xk = tl.load(x_ptr + rows[:, None] + kk[None, :],
+                         mask=h_ok[:, None] & (kk < D)[None, :], other=0.0).to(tl.float32)
+            uk = tl.math.div_rn(tl.where(bad[:, None], 0.0, xk), den[:, None])
+            y += tl.dot(uk, r, input_precision="ieee")
+    if TF32X3:
+        y = tl.math.div_rn(y, den[:, None])
     return y
+
+
+@triton.jit
+def _tf32_split(x):
+    hi = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # 13 low bits off
+    return hi, x - hi
 
 
 @triton.jit
@@ -104,7 +128,8 @@ def _row_stats(x_ptr, rows, h_ok, D: tl.constexpr, DP: tl.constexpr):
 @triton.jit
 def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                  D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
-                 BS: tl.constexpr, N_OFF: tl.constexpr, HAS_F1: tl.constexpr,
+                 TF32X3: tl.constexpr, BS: tl.constexpr, N_OFF: tl.constexpr,
+                 HAS_F1: tl.constexpr,
                  F0_OFF: tl.constexpr, F0_BITS: tl.constexpr, F0_W: tl.constexpr,
                  F0_G: tl.constexpr, F0_GP: tl.constexpr, F0_CPW: tl.constexpr,
                  F0_START: tl.constexpr, F0_COUNT: tl.constexpr, F0_BND: tl.constexpr,
@@ -116,12 +141,12 @@ def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
     y = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D, DP, BK, HB, F0_START, F0_COUNT,
-                F0_GP * F0_CPW)
+                F0_GP * F0_CPW, TF32X3)
     _store_codes(_bucketize(y, tab_ptr, F0_BND, F0_BITS), cache_ptr, base, off, h_ok, HB, BS,
                  F0_OFF, F0_BITS, F0_W, F0_G, F0_GP, F0_CPW)
     if HAS_F1:
         y1 = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D, DP, BK, HB, F1_START, F1_COUNT,
-                     F1_GP * F1_CPW)
+                     F1_GP * F1_CPW, TF32X3)
         _store_codes(_bucketize(y1, tab_ptr, F1_BND, F1_BITS), cache_ptr, base, off, h_ok, HB,
                      BS, F1_OFF, F1_BITS, F1_W, F1_G, F1_GP, F1_CPW)
     _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
@@ -130,7 +155,7 @@ def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
 @triton.jit
 def _store_kernel(
         k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h, rot_ptr, tab_ptr,
-        N_ROWS, HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
+        N_ROWS, HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr, TF32X3: tl.constexpr,
         BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
         K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
@@ -168,14 +193,14 @@ def _store_kernel(
                      _fp8_e4m3(x).to(tl.uint8), mask=m)
         else:
             _encode_unit(k_ptr, k_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP, BK,
-                         HB, BS, KN_OFF, HAS_K1, K0_OFF, K0_BITS, K0_W, K0_G, K0_GP, K0_CPW,
-                         K0_START, K0_COUNT, K0_BND, K1_OFF, K1_BITS, K1_W, K1_G, K1_GP, K1_CPW,
+                         HB, TF32X3, BS, KN_OFF, HAS_K1, K0_OFF, K0_BITS, K0_W, K0_G, K0_GP,
+                         K0_CPW, K0_START, K0_COUNT, K0_BND, K1_OFF, K1_BITS, K1_W, K1_G, K1_GP, K1_CPW,
                          K1_START, K1_COUNT, K1_BND)
 
         if V_TQ:
             _encode_unit(v_ptr, v_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP, BK,
-                         HB, BS, VN_OFF, HAS_V1, V0_OFF, V0_BITS, V0_W, V0_G, V0_GP, V0_CPW,
-                         V0_START, V0_COUNT, V0_BND, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW,
+                         HB, TF32X3, BS, VN_OFF, HAS_V1, V0_OFF, V0_BITS, V0_W, V0_G, V0_GP,
+                         V0_CPW, V0_START, V0_COUNT, V0_BND, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW,
                          V1_START, V1_COUNT, V1_BND)
         else:
             bad, v, m = _row_stats(v_ptr, v_rows, h_ok, D, V0_GP * V0_CPW)
@@ -198,11 +223,18 @@ ROWS_PER_PROGRAM = 16  # (token, KV head) rows; see the module docstring
 
 def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    rows_per_program: int | None = None) -> None:
+                    rows_per_program: int | None = None,
+                    rotation_precision: str | None = None) -> None:
     """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place.
 
     ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM.
+    ``rotation_precision``: "tf32x3" (three TF32 tensor-core dots, the default on CUDA) or
+    "ieee" (fp32 FMA dots, the default elsewhere: the interpreter has no TF32).
     """
+    if rotation_precision is None:
+        rotation_precision = "tf32x3" if key.device.type == "cuda" else "ieee"
+    if rotation_precision not in ("tf32x3", "ieee"):
+        raise ValueError(f"rotation_precision={rotation_precision!r}; valid: 'tf32x3', 'ieee'")
     n, hk, d = key.shape
     if value.shape != key.shape or d != codec.head_dim or kv_cache.shape[1] != hk:
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit a cache "
@@ -222,4 +254,5 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     _store_kernel[(triton.cdiv(rows, hb),)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
-        rows, HK=hk, HB=hb, BK=min(32, dp), num_warps=4, **spec.meta)
+        rows, HK=hk, HB=hb, BK=min(32, dp), TF32X3=rotation_precision == "tf32x3", num_warps=4,
+        **spec.meta)

@@ -22,6 +22,7 @@ that slot yields NaN — what a bf16 cache holding NaN would give, and what the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -41,6 +42,35 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).reshape(*x.shape, 1).contiguous().view(torch.uint8)
+
+
+@contextlib.contextmanager
+def full_fp32_matmul():
+    """fp32 matmuls inside run at full fp32 precision, whatever the user chose with
+    ``torch.set_float32_matmul_precision`` / ``torch.backends.cuda.matmul.allow_tf32`` /
+    ``fp32_precision`` (restored on exit). TF32 (or oneDNN bf16 on CPU) would change the rotated
+    coordinates by ~1e-3 relative and hence the codes. Host-side flags only: free when nothing
+    needs changing, and CUDA-graph capturable."""
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the legacy and the new precision API were mixed
+        legacy = None
+    if legacy == "highest":
+        yield
+        return
+    apis = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    saved = [api.fp32_precision for api in apis]
+    if legacy is not None:
+        torch.set_float32_matmul_precision("highest")
+    for api in apis:
+        api.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy)
+        for api, prec in zip(apis, saved):
+            api.fp32_precision = prec
 
 
 def _read_fp16(slots: torch.Tensor, off: int) -> torch.Tensor:
@@ -155,7 +185,9 @@ class TQCodec:
         x = torch.where(bad[..., None], torch.zeros_like(x), x)
         n = x.norm(dim=-1)
         unit = x / (n[..., None] + NORM_EPS)
-        c = codes.encode(unit @ self.rotation, slots)
+        with full_fp32_matmul():
+            y = unit @ self.rotation
+        c = codes.encode(y, slots)
         self._put_fp16(slots, norm_field, torch.where(bad, torch.full_like(n, math.nan), n))
         return unit, c
 

@@ -30,41 +30,65 @@ def visible_keys(t: int, l: int, kv_lens, window, device, row_pos=None) -> torch
     return (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
 
 
-def attention_on_codes(codec: TQCodec, q: torch.Tensor, slots: torch.Tensor, *,
-                       scale: float | None = None, kv_lens: torch.Tensor | None = None,
-                       window: int | None = None, softcap: float = 0.0,
-                       row_pos: torch.Tensor | None = None, return_lse: bool = False):
-    """q (T, Hq, D), slots (L, Hk, slot_bytes) → out (T, Hq, D) float32 [, lse (T, Hq)]."""
+def decode_for_attention(codec: TQCodec, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What attention reads of slots (L, Hk, S), decoded once: keys in the basis they are scored
+    in (+ QJL signs and coefficients) and values in the basis they are accumulated in."""
+    if codec.preset.key.codec == "fp8":
+        dec = {"keys": codec.decode_keys(slots)}
+    else:
+        dec = {"keys": codec.rotated_keys(slots)}
+        if codec.qjl_matrix is not None:
+            dec["qjl_signs"], dec["qjl_coef"] = codec.qjl_parts(slots)
+    dec["values"] = (codec.rotated_values(slots) if codec.values is not None
+                     else codec.decode_values(slots))
+    return dec
+
+
+def split_decoded(dec: dict[str, torch.Tensor], lens: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Split a decode of concatenated sequences back into one dict per sequence."""
+    parts = {k: torch.split(v, lens) for k, v in dec.items()}
+    return [{k: parts[k][i] for k in dec} for i in range(len(lens))]
+
+
+def attention_on_codes(codec: TQCodec, q: torch.Tensor, slots: torch.Tensor, **kw):
+    """q (T, Hq, D), slots (L, Hk, slot_bytes) → out (T, Hq, D) float32 [, lse (T, Hq)];
+    keyword arguments as :func:`attention_on_decoded`."""
+    return attention_on_decoded(codec, q, decode_for_attention(codec, slots), **kw)
+
+
+def attention_on_decoded(codec: TQCodec, q: torch.Tensor, dec: dict[str, torch.Tensor], *,
+                         scale: float | None = None, kv_lens: torch.Tensor | None = None,
+                         window: int | None = None, softcap: float = 0.0,
+                         row_pos: torch.Tensor | None = None, return_lse: bool = False):
+    """Attention of q (T, Hq, D) over keys/values decoded by :func:`decode_for_attention`."""
     t, hq, d = q.shape
-    l, hk, _ = slots.shape
+    l, hk, _ = dec["keys"].shape
     if d != codec.head_dim or hq % hk:
-        raise ValueError(f"query shape {tuple(q.shape)} does not fit slots {tuple(slots.shape)} "
-                         f"(head size {codec.head_dim}, query heads must be a multiple of KV heads)")
+        raise ValueError(f"query shape {tuple(q.shape)} does not fit {hk} KV heads at head size "
+                         f"{codec.head_dim} (query heads must be a multiple of KV heads)")
     group = hq // hk
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qf = q.float().reshape(t, hk, group, d)
 
     if codec.preset.key.codec == "fp8":
-        scores = torch.einsum("tkgd,lkd->tkgl", qf, codec.decode_keys(slots))
+        scores = torch.einsum("tkgd,lkd->tkgl", qf, dec["keys"])
     else:
-        scores = torch.einsum("tkgd,lkd->tkgl", qf @ codec.rotation, codec.rotated_keys(slots))
+        scores = torch.einsum("tkgd,lkd->tkgl", qf @ codec.rotation, dec["keys"])
         if codec.qjl_matrix is not None:
-            signs, coef = codec.qjl_parts(slots)
-            proj = torch.einsum("tkgd,lkd->tkgl", qf @ codec.qjl_matrix.T, signs)
-            scores = scores + proj * coef.T[None, :, None, :]
+            proj = torch.einsum("tkgd,lkd->tkgl", qf @ codec.qjl_matrix.T, dec["qjl_signs"])
+            scores = scores + proj * dec["qjl_coef"].T[None, :, None, :]
     scores = scores * scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
 
-    visible = visible_keys(t, l, kv_lens, window, slots.device, row_pos)         # (T, L)
+    visible = visible_keys(t, l, kv_lens, window, q.device, row_pos)             # (T, L)
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                         # (T, Hk, G)
     p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
 
+    out = torch.einsum("tkgl,lkd->tkgd", p, dec["values"])
     if codec.values is not None:
-        out = torch.einsum("tkgl,lkd->tkgd", p, codec.rotated_values(slots)) @ codec.rotation.T
-    else:
-        out = torch.einsum("tkgl,lkd->tkgd", p, codec.decode_values(slots))
+        out = out @ codec.rotation.T
     out = out.reshape(t, hq, d)
     return (out, lse.reshape(t, hq)) if return_lse else out
 

@@ -50,7 +50,15 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
                          f"got {packed.shape[-1]}")
     if bits == 8:
         return packed.to(torch.int64)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
-    stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., : n * bits]
-    weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int64))
-    return (stream.unflatten(-1, (n, bits)).to(torch.int64) * weights).sum(-1)
+    # `bits` bytes hold exactly 8 codes: read them as one little-endian word, shift each code out
+    nbytes = packed.shape[-1]
+    pad = -nbytes % bits
+    if pad:
+        packed = torch.nn.functional.pad(packed, (0, pad))
+    by = packed.unflatten(-1, (-1, bits)).to(torch.int32)
+    word = by[..., 0]
+    for i in range(1, bits):
+        word = word | (by[..., i] << (8 * i))
+    shifts = torch.arange(0, 8 * bits, bits, device=packed.device, dtype=torch.int32)
+    codes = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.flatten(-2)[..., :n].to(torch.int64)

@@ -48,7 +48,7 @@ from functools import lru_cache
 
 import torch
 
-from .attention_ref import attention_on_codes
+from .attention_ref import attention_on_decoded, decode_for_attention, split_decoded
 from .codec import TQCodec
 from .layout import Field, build_layout
 
@@ -131,15 +131,19 @@ def gather_slots_ref(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch.
                      seq_lens: torch.Tensor) -> list[torch.Tensor]:
     """Paged cache → one (seq_len, Hk, slot_bytes) tensor of codec slots per sequence."""
     bs = cache_block_size(codec, kv_cache)
-    pos_tab = page_positions(codec, bs).to(kv_cache.device)
-    hk = kv_cache.shape[1]
-    heads = torch.arange(hk, device=kv_cache.device)[None, :, None]
-    out = []
-    for b, length in enumerate(seq_lens.tolist()):
-        t = torch.arange(length, device=kv_cache.device)
-        blk = block_table[b, t // bs].long()[:, None, None]
-        out.append(kv_cache[blk, heads, pos_tab[t % bs][:, None, :]])
-    return out
+    pos_tab = page_positions(codec, bs).to(kv_cache.device)                     # (bs, S)
+    lens = seq_lens.tolist()
+    if not lens:
+        return []
+    nblk = [-(-n // bs) for n in lens]
+    # whole pages of every sequence in one gather, then the slot bytes out of each page
+    ids = torch.cat([block_table[b, :k] for b, k in enumerate(nblk)]).long()
+    pages = kv_cache[ids][:, :, pos_tab]                                        # (P, Hk, bs, S)
+    pages = pages.transpose(1, 2).flatten(0, 1)                                 # (P·bs, Hk, S)
+    starts = [0]
+    for k in nblk:
+        starts.append(starts[-1] + k * bs)
+    return [pages[starts[b]:starts[b] + n] for b, n in enumerate(lens)]
 
 
 # ---- decode attention -------------------------------------------------------------------------------
@@ -179,16 +183,18 @@ def decode_attention_ref(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Tensor
         raise ValueError(f"q shape {tuple(q.shape)} does not fit {hk} KV heads at head size "
                          f"{codec.head_dim}")
     qsl, lens, starts = _row_layout(seq_lens, query_start_loc, query_pos_start, rows)
-    slots_all = gather_slots_ref(codec, kv_cache, block_table, seq_lens)
+    # decode every sequence's codes in one pass (the per-call cost dominates on the CPU)
+    slots = gather_slots_ref(codec, kv_cache, block_table, seq_lens)
+    decoded = split_decoded(decode_for_attention(codec, torch.cat(slots)), lens) if slots else []
     out = torch.zeros(rows, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((rows, hq), -math.inf, dtype=torch.float32, device=q.device)
-    for b, slots in enumerate(slots_all):
+    for b, dec in enumerate(decoded):
         r0, r1 = qsl[b], qsl[b + 1]
         if r1 == r0 or lens[b] == 0:
             continue
         pos = starts[b] + torch.arange(r1 - r0, device=q.device)
-        out[r0:r1], lse[r0:r1] = attention_on_codes(
-            codec, q[r0:r1], slots, scale=scale, kv_lens=torch.clamp(pos + 1, max=lens[b]),
+        out[r0:r1], lse[r0:r1] = attention_on_decoded(
+            codec, q[r0:r1], dec, scale=scale, kv_lens=torch.clamp(pos + 1, max=lens[b]),
             row_pos=pos, window=window, softcap=softcap, return_lse=True)
     return (out, lse) if return_lse else out
 

@@ -40,7 +40,7 @@ def test_sliding_window_layers_and_qwen():
 
 
 def test_shipped_plans_validate():
-    for name in ("cpu", "cpu-full", "cpu-quick"):
+    for name in ("cpu", "cpu-full", "cpu-quick", "cpu-boundary"):
         plan = report.load_plan(name)
         assert plan["baseline"] == "turboquant_k3v4_nc"
     with pytest.raises(FileNotFoundError, match="shipped plans"):

@@ -351,9 +351,13 @@ def run_versions() -> dict:
 
     v = {"python": platform.python_version(), "torch": torch.__version__,
          "device": "cuda" if torch.cuda.is_available() else "cpu"}
-    for mod in ("transformers", "reasoning_gym"):
+    from importlib import metadata
+
+    # the installed distribution's version: reasoning_gym.__version__ lags its releases
+    # (0.1.19 inside 0.1.25), and generated problems depend on the release
+    for dist in ("transformers", "reasoning-gym"):
         try:
-            v[mod] = __import__(mod).__version__
-        except (ImportError, AttributeError):
+            v[dist.replace("-", "_")] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
             pass
     return v

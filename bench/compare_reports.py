@@ -58,7 +58,9 @@ def main() -> None:
     presets = (args.presets.split(",") if args.presets else
                [p for p in ra["presets"] if p in rb["presets"]])
     rows = compare(ra, rb, presets, specs)
+    command = "python3 bench/compare_reports.py " + " ".join(sys.argv[1:])
     lines = [f"# {ma['name']} ({args.a}) − {mb['name']} ({args.b})", "",
+             f"command: `{command}`  ",
              f"Specs pooled: {', '.join(specs)}; paired bootstrap, 95 % intervals; "
              f"negative = A lower.", "",
              "| preset | ΔKL | Δ(PPL Δ %) | Δtop-1 |", "|---|---|---|---|"]

@@ -212,6 +212,8 @@ def main():
                     help="--tune: comma-separated BATCHxCONTEXT shapes (32/8/128 heads)")
     ap.add_argument("--autotune", action="store_true",
                     help="time a few kernel configs at B=32, L=16K first and use the fastest")
+    ap.add_argument("--defaults", type=json.loads, default=None,
+                    help='JSON kernel config merged into the decode defaults for the whole run')
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="decode_h200")
     ap.add_argument("--render", help="only write the markdown of an existing result JSON")
@@ -226,6 +228,8 @@ def main():
         print(md)
         return
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.defaults:
+        decode_mod.DEFAULTS.update(args.defaults)
     env = environment()
     print(json.dumps(env), flush=True)
     timer = Timer()

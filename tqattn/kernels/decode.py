@@ -17,11 +17,11 @@ coordinate order. The raw bytes of tile t+1 are loaded into registers while tile
 merges them. The grid depends only on the batch size (and ``max_query_len``); the tiles each
 split walks come from ``seq_lens`` on the device: CUDA-graph safe, no host sync.
 
-Status (H200, bench/results/decode_h200.md): correct for every preset, but not yet faster than
-bf16 FA3 except fp8 keys (turboquant_k3v4_nc ≈ 1.3–1.7× FA3's time). The loop is bound by
-per-element integer work (≈70 warp instructions per token for k3v4_nc: byte unpacking, centroid
-gathers, int→fp16 conversions, shared-memory layout conversions for the dot operands), not by
-HBM; see bench/results/decode_notes.md.
+Status (H200, bench/results/decode_h200_s3.md): correct for every preset, but not yet faster
+than bf16 FA3 except fp8 keys (turboquant_k3v4_nc 1.26–1.44× FA3's time, tq_k4v3 4–6×). The
+loop is bound by per-element integer work (≈70 warp instructions per token for k3v4_nc: byte
+unpacking, centroid gathers, shared-memory layout conversions for the dot operands) at 255
+registers per thread, not by HBM; see bench/results/decode_notes.md.
 """
 
 from __future__ import annotations
@@ -475,7 +475,7 @@ def _num_sms(device) -> int:
 # BLOCK_N None: picked per preset by _block_n. Measured on H200 (bench/results/decode_h200.md):
 # 128 tokens / 4 warps / register prefetch was fastest for turboquant_k3v4_nc; Triton's own
 # pipelining (num_stages > 1) routes the centroid gathers through shared memory and is 3-4x slower.
-DEFAULTS = {"BLOCK_N": None, "num_warps": 4, "num_stages": 1, "target_programs": 4,
+DEFAULTS = {"BLOCK_N": None, "num_warps": 4, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None}
 
 

@@ -205,14 +205,9 @@ def dequant_ref(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch.Tenso
                 seq_lens: torch.Tensor, dtype: torch.dtype = torch.float32):
     """Paged cache → K, V (sum(seq_lens), Hk, D) in the original basis, packed by sequence
     (sequence b at rows cu_seqlens[b]:cu_seqlens[b+1], cu_seqlens = [0, cumsum(seq_lens)])."""
-    ks, vs = [], []
-    for slots in gather_slots_ref(codec, kv_cache, block_table, seq_lens):
-        if slots.numel() == 0:
-            continue
-        k, v = codec.decode(slots)
-        ks.append(k)
-        vs.append(v)
-    if not ks:
+    slots = gather_slots_ref(codec, kv_cache, block_table, seq_lens)
+    if sum(x.shape[0] for x in slots) == 0:
         d, hk = codec.head_dim, kv_cache.shape[1]
         return (torch.zeros(0, hk, d, dtype=dtype, device=kv_cache.device),) * 2
-    return torch.cat(ks).to(dtype), torch.cat(vs).to(dtype)
+    k, v = codec.decode(torch.cat(slots))  # one decode for all sequences, as in decode_attention_ref
+    return k.to(dtype), v.to(dtype)

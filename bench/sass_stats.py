@@ -40,15 +40,20 @@ ALIGNED_INTS = {"sq_r", "sq_h", "sc_b", "sc_h", "sbt", "spo_r", "spo_h", "spo_s"
 
 
 def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 16,
-                   num_warps: int = 4, maxnreg: int | None = None, **overrides):
+                   num_warps: int | None = None, maxnreg: int | None = None, **overrides):
     """Compile _decode_split_kernel for sm_90 as the dispatch would launch it (one row/seq)."""
     spec = kernel_spec(TQCodec(preset, d), block_size)
     fn = decode._decode_split_kernel
     params = list(inspect.signature(fn.fn).parameters)
-    cex = {k: v for k, v in decode.DEFAULTS.items() if k in params}
+    tune = {k: overrides.pop(k) for k in list(overrides) if k in decode.DEFAULTS}
+    if num_warps is not None:
+        tune["num_warps"] = num_warps
+    cfg, asm = decode.launch_config(spec, tune, interp=False)
+    num_warps = cfg["num_warps"]
+    maxnreg = maxnreg or cfg["maxnreg"]
+    cex = {k: v for k, v in cfg.items() if k in params}
     cex.update(HAS_QSL=False, HAS_QPOS=False, HAS_WINDOW=False, HAS_SOFTCAP=False, GROUP=group,
-               HK=8, BLOCK_M=16, FP8_NATIVE=True, **spec.meta)
-    cex["BLOCK_N"] = cex.get("BLOCK_N") or decode._block_n(spec)
+               HK=8, BLOCK_M=16, FP8_NATIVE=True, **spec.meta, **asm)
     cex.update(overrides)
     sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(params):
@@ -63,7 +68,7 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": 1,
                                      **({"maxnreg": maxnreg} if maxnreg else {})})
-    return kernel, cex
+    return kernel, {**cex, "num_warps": num_warps}
 
 
 def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
@@ -134,7 +139,7 @@ def main():
     ap.add_argument("--presets", default="turboquant_k3v4_nc")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--warps", type=int, default=None, help="default: the dispatch's choice")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
     ap.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BLOCK_N=64")
     ap.add_argument("--top", type=int, default=14)
@@ -148,10 +153,10 @@ def main():
                                      maxnreg=args.maxnreg, **overrides)
         st = loop_stats(*disassemble(kernel.asm["cubin"]))
         res = resources(kernel.asm["cubin"])
-        st.update(resources=res, programs_per_sm=occupancy(res, args.warps,
+        st.update(resources=res, programs_per_sm=occupancy(res, cex["num_warps"],
                                                              kernel.metadata.shared))
-        st.update(preset=preset, block_n=cex["BLOCK_N"], warps=args.warps,
-                  warp_instr_per_token=st["loop_instructions"] * args.warps / cex["BLOCK_N"])
+        st.update(preset=preset, block_n=cex["BLOCK_N"], warps=cex["num_warps"],
+                  warp_instr_per_token=st["loop_instructions"] * cex["num_warps"] / cex["BLOCK_N"])
         results.append(st)
         if not args.json:
             top = ", ".join(f"{k} {v}" for k, v in list(st["loop_opcodes"].items())[:args.top])

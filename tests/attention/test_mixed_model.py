@@ -104,7 +104,7 @@ def run_model_step(layers, reqs, seed=0):
         for b, (c, n) in enumerate(reqs):
             a, e = qsl[b], qsl[b + 1]
             if slots is not None:       # the TurboQuant rule
-                kb, vb = impl.codec().decode(slots[b])
+                kb, vb = impl.codec().folded().decode(slots[b])  # page form
                 if n > 1:
                     kb, vb = torch.cat([kb[:c], k[a:e]]), torch.cat([vb[:c], v[a:e]])
             elif c:                     # full precision: the raw history

@@ -62,7 +62,7 @@ def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, threshold=None, device=
     qsl = batch.common.query_start_loc_cpu.tolist()
     for b, (c, n) in enumerate(reqs):
         a, e = qsl[b], qsl[b + 1]
-        kc, vc = codec.decode(slots[b])
+        kc, vc = codec.folded().decode(slots[b])  # page slots: "nc" norms folded
         if n > 1:
             kc, vc = torch.cat([kc[:c], k[a:e].float()]), torch.cat([vc[:c], v[a:e].float()])
         ref[a:e] = attention(q[a:e], kc, vc, batch.q_pos[b], torch.arange(c + n), s.scale,

@@ -2,10 +2,11 @@
 
 ``ChunkedReference`` runs the transformers model one request at a time, chunk by chunk, with an
 attention function that keeps each layer's history the way the engine's cache holds it:
-TurboQuant layers keep ``codec.decode(codec.encode(k, v))`` (what reading a compressed slot
-gives), full-precision layers the raw K/V. It follows the backends' rule: tokens stored by
-earlier steps are read from that history; the K/V of the step's own chunk are read raw, except
-that a one-token chunk is stored first and attends to itself compressed.
+TurboQuant layers keep ``codec.folded().decode(codec.encode(k, v, fold_nc=True))`` (what
+reading a compressed page slot gives), full-precision layers the raw K/V. It follows the
+backends' rule: tokens stored by earlier steps are read from that history; the K/V of the
+step's own chunk are read raw, except that a one-token chunk is stored first and attends to
+itself compressed.
 
 ``record_chunks`` spies on an engine's model runner to get the chunking each request saw.
 """
@@ -66,7 +67,8 @@ class _State:
         if preset == "auto":
             return k, v
         codec = get_codec(preset, k.shape[-1])
-        return codec.decode(codec.encode(k, v, on_nonfinite="propagate"))
+        # the paged cache's form: "nc" norms folded (tqattn.quant.paged)
+        return codec.folded().decode(codec.encode(k, v, on_nonfinite="propagate", fold_nc=True))
 
 
 _current: _State | None = None

@@ -23,13 +23,16 @@ def slots_for(bt, b, positions, block_size):
     return bt[b, positions // block_size].long() * block_size + positions % block_size
 
 
-def filled_cache(codec: TQCodec, lens, hk, block_size, device="cpu", key_scale=1.0, seed=0):
-    """(cache, block_table, seq_lens) with random K/V stored by the reference."""
+def filled_cache(codec: TQCodec, lens, hk, block_size, device="cpu", key_scale=1.0, seed=0,
+                 stale=False):
+    """(cache, block_table, seq_lens) with random K/V stored by the reference; ``stale``: the
+    cache starts as random bytes (what earlier requests leave behind in page tails)."""
     gen = torch.Generator().manual_seed(seed)
     bt, nb = random_block_table(lens, block_size, gen=gen)
     bt = bt.to(device)
-    cache = torch.zeros(paged.kv_cache_shape(nb, block_size, hk, codec), dtype=torch.uint8,
-                        device=device)
+    shape = paged.kv_cache_shape(nb, block_size, hk, codec)
+    cache = (torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8) if stale
+             else torch.zeros(shape, dtype=torch.uint8)).to(device)
     d = codec.head_dim
     for b, n in enumerate(lens):
         pos = torch.arange(n, device=device)

@@ -24,7 +24,7 @@ def _check(name, d=64, hk=1, group=2, lens=(37, 6), bs=16, dtype=torch.float32, 
            continuation=False, tune=SMALL, **kw):
     from tqattn.kernels.decode import decode_attention_triton
     codec = TQCodec(name, d)
-    cache, bt, seq_lens = filled_cache(codec, list(lens), hk, bs, key_scale=2.0)
+    cache, bt, seq_lens = filled_cache(codec, list(lens), hk, bs, key_scale=2.0, stale=True)
     qsl = qpos = None
     n = len(lens)
     if rows is not None:

@@ -41,8 +41,50 @@ def test_store_gather_roundtrip(name):
     slots = torch.cat([slots_for(bt, 0, torch.arange(20), 16), slots_for(bt, 1, torch.arange(7), 16)])
     paged.store_ref(codec, k, v, cache, slots)
     got = paged.gather_slots_ref(codec, cache, bt, torch.tensor([20, 7]))
-    want = codec.encode(k, v, on_nonfinite="propagate")
+    want = codec.encode(k, v, on_nonfinite="propagate", fold_nc=True)
     assert torch.equal(torch.cat(got), want)
+
+
+def test_page_word_bit_order():
+    codes = torch.randint(0, 8, (5, 24))
+    b = paged.page_word_bytes(codes)
+    assert torch.equal(paged.page_word_codes(b), codes)
+    by = b.view(5, 3, 3).long()
+    w = codes.view(5, 3, 8)
+    for s in range(3):   # byte & 0x77: codes 2s and 2s+1 as nibbles; bits 3/7: bit s of codes 6/7
+        assert torch.equal(by[..., s] & 7, w[..., 2 * s])
+        assert torch.equal((by[..., s] >> 4) & 7, w[..., 2 * s + 1])
+        assert torch.equal((by[..., s] >> 3) & 1, (w[..., 6] >> s) & 1)
+        assert torch.equal((by[..., s] >> 7) & 1, (w[..., 7] >> s) & 1)
+
+
+def test_key_planes_are_column_major():
+    codec = TQCodec("turboquant_k3v4_nc", 128)
+    pos = paged.page_positions(codec, 16)
+    k, v = codec.layout.field("k_idx"), codec.layout.field("v_q")
+    t = torch.arange(16)
+    # 48 key bytes = 16 words of 3 bytes: byte 3g + s in sub-plane s at column g
+    for j in (0, 1, 2, 3, 47):
+        s, g = j % 3, j // 3
+        assert torch.equal(pos[:, k.offset + j], 16 * k.offset + s * 16 * 16 + g * 16 + t)
+    assert torch.equal(pos[:, v.offset + 5], 16 * v.offset + t * 64 + 5)
+    f8 = TQCodec("turboquant_k8v4", 128).layout.field("k_fp8")   # other key widths: token rows
+    pos8 = paged.page_positions(TQCodec("turboquant_k8v4", 128), 16)
+    assert torch.equal(pos8[:, f8.offset + 5], 16 * f8.offset + t * 128 + 5)
+
+
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "tq_k3v4_debias"])
+def test_folded_norms_decode_like_vllm(name):
+    """Pages store n/‖ĉ‖ for "nc" fields: one fp16 rounding away from vLLM's n·ĉ/‖ĉ‖."""
+    codec = TQCodec(name, 64)
+    k, v = torch.randn(50, 64) * 3, torch.randn(50, 64)
+    plain = codec.decode(codec.encode(k, v))
+    folded = codec.folded().decode(codec.encode(k, v, fold_nc=True))
+    for a, b in zip(plain, folded):
+        err = ((a - b).norm(dim=-1) / a.norm(dim=-1)).max().item()
+        assert err < 2 ** -10
+    if codec.preset.key.correction != "nc" and codec.preset.value.correction != "nc":
+        assert codec.folded() is codec
 
 
 def test_negative_slots_are_skipped():
@@ -76,8 +118,8 @@ def test_decode_ref_equals_attention_on_codes(name, window, softcap):
     for b, (n, r) in enumerate(zip(lens, rows)):
         r0 = int(qsl[b])
         kv_lens = torch.arange(n - r + 1, n + 1)
-        o, l = attention_on_codes(codec, q[r0:r0 + r], slots[b], kv_lens=kv_lens, window=window,
-                                  softcap=softcap, return_lse=True)
+        o, l = attention_on_codes(codec.folded(), q[r0:r0 + r], slots[b], kv_lens=kv_lens,
+                                  window=window, softcap=softcap, return_lse=True)
         torch.testing.assert_close(out[r0:r0 + r], o, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[r0:r0 + r], l, rtol=1e-5, atol=1e-5)
 
@@ -109,7 +151,7 @@ def test_dequant_ref_matches_codec():
     cache, bt, lens = filled_cache(codec, [33, 5], 2, 16)
     k, v = paged.dequant_ref(codec, cache, bt, lens)
     slots = paged.gather_slots_ref(codec, cache, bt, lens)
-    kk, vv = codec.decode(torch.cat(slots))
+    kk, vv = codec.folded().decode(torch.cat(slots))
     torch.testing.assert_close(k, kk, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(v, vv, rtol=1e-5, atol=1e-6)
 

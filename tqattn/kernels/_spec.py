@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.codec import TQCodec
-from ..quant.paged import field_words
+from ..quant.paged import column_major, field_words
 
 
 def next_pow2(n: int) -> int:
@@ -35,6 +35,7 @@ class CodeField:
     count: int
     lut: int      # offset of its fp32 centroid table in the shared table (-1: none)
     bnd: int      # offset of its boundaries (store)
+    cm: bool      # column-major plane: byte g of token t at g·block_size + t (else t·G + g)
 
     @property
     def dp(self) -> int:
@@ -44,10 +45,10 @@ class CodeField:
         return {f"{prefix}_OFF": self.off, f"{prefix}_BITS": self.bits, f"{prefix}_W": self.w,
                 f"{prefix}_G": self.g, f"{prefix}_GP": self.gp, f"{prefix}_CPW": self.cpw,
                 f"{prefix}_START": self.start, f"{prefix}_COUNT": self.count,
-                f"{prefix}_LUT": self.lut, f"{prefix}_BND": self.bnd}
+                f"{prefix}_LUT": self.lut, f"{prefix}_BND": self.bnd, f"{prefix}_CM": self.cm}
 
 
-_NO_FIELD = CodeField(0, 8, 1, 16, 16, 1, 0, 0, 0, 0)
+_NO_FIELD = CodeField(0, 8, 1, 16, 16, 1, 0, 0, 0, 0, False)
 CORR = {"none": 0, "nc": 1, "debias": 2}
 
 
@@ -82,7 +83,8 @@ class KernelSpec:
             gp = max(next_pow2(g), 16)  # each code of a word feeds its own tl.dot (K >= 16)
             lut = table(centroids) if centroids is not None else -1
             bnd = table(boundaries) if boundaries is not None else -1
-            return CodeField(block_size * f.offset, f.bits, w, g, gp, cpw, start, f.count, lut, bnd)
+            return CodeField(block_size * f.offset, f.bits, w, g, gp, cpw, start, f.count, lut, bnd,
+                             column_major(f))
 
         def scalar_codes(prefix, codes):
             names = ([f"{prefix}_hi"] if codes.n_hi else []) + [prefix]

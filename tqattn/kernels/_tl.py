@@ -7,36 +7,86 @@ import triton.language as tl
 
 
 @triton.jit
-def load_words(ptr, ok, BS: tl.constexpr, W: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
-    """[N, GP] int32 words of a code field; ptr [N, 1] points at the token's row of sub-plane 0."""
+def row_ptr(cache_ptr, pbase, tip, OFF: tl.constexpr, G: tl.constexpr, CM: tl.constexpr):
+    """[N, 1] pointers to byte 0 of each token's codes in sub-plane 0 of a field's plane
+    (column-major planes, CM: byte g of the token sits g·block_size further)."""
+    if CM:
+        return cache_ptr + (pbase + OFF + tip)[:, None]
+    else:
+        return cache_ptr + (pbase + OFF + tip * G)[:, None]
+
+
+@triton.jit
+def load_bytes(ptr, ok, BS: tl.constexpr, S: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+               CM: tl.constexpr):
+    """uint8 [N, GP] of sub-plane S; ptr [N, 1] from row_ptr, ok [N, 1]."""
     g = tl.arange(0, GP)[None, :]
     if G == GP:
         m = ok
     else:
         m = ok & (g < G)
-    w = tl.load(ptr + g, mask=m, other=0).to(tl.int32)
+    if CM:
+        # runs of 16 tokens are contiguous (pages and planes start 16-byte aligned, tiles
+        # start at page boundaries); the hint lets the load vectorise along tokens
+        p = tl.max_contiguous(tl.multiple_of(ptr + S * BS * G + g * BS, [16, 1]), [16, 1])
+        return tl.load(p, mask=m, other=0)
+    else:
+        return tl.load(ptr + S * BS * G + g, mask=m, other=0)
+
+
+@triton.jit
+def load_words(ptr, ok, BS: tl.constexpr, W: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+               CM: tl.constexpr):
+    """[N, GP] int32 words of a code field; ptr [N, 1] from row_ptr."""
+    w = load_bytes(ptr, ok, BS, 0, G, GP, CM).to(tl.int32)
     if W == 3:
-        w = w | (tl.load(ptr + BS * G + g, mask=m, other=0).to(tl.int32) << 8)
-        w = w | (tl.load(ptr + 2 * BS * G + g, mask=m, other=0).to(tl.int32) << 16)
+        w = w | (load_bytes(ptr, ok, BS, 1, G, GP, CM).to(tl.int32) << 8)
+        w = w | (load_bytes(ptr, ok, BS, 2, G, GP, CM).to(tl.int32) << 16)
     return w
 
 
 @triton.jit
-def split_words(w, BITS: tl.constexpr, CPW: tl.constexpr):
+def code_of(w, I: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr):
+    """Code I of each word (3-byte words: the page bit order of tqattn.quant.paged)."""
+    if W == 3:
+        if I < 6:
+            c = (w >> (4 * I)) & 7
+        else:
+            c = (((w >> (4 * I - 21)) & 1) | ((w >> (4 * I - 14)) & 2)
+                 | ((w >> (4 * I - 7)) & 4))
+    else:
+        c = (w >> (BITS * I)) & ((1 << BITS) - 1)
+    return c
+
+
+@triton.jit
+def word_of(c, I: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr):
+    """Bits of code c as code I of a word (the inverse of code_of, to be OR-ed together)."""
+    if W == 3:
+        if I < 6:
+            b = c << (4 * I)
+        else:
+            b = (((c & 1) | ((c & 2) << 7) | ((c & 4) << 14)) << (4 * I - 21))
+    else:
+        b = c << (BITS * I)
+    return b
+
+
+@triton.jit
+def split_words(w, BITS: tl.constexpr, CPW: tl.constexpr, W: tl.constexpr):
     """Words [N, GP] → codes [N, GP·CPW], column g·CPW + i = code i of word g."""
-    M: tl.constexpr = (1 << BITS) - 1
     if CPW == 1:
         c = w
     elif CPW == 2:
-        c = tl.join(w & M, (w >> BITS) & M)
+        c = tl.join(code_of(w, 0, BITS, W), code_of(w, 1, BITS, W))
     elif CPW == 4:
-        c = tl.join(tl.join(w & M, (w >> BITS) & M),
-                    tl.join((w >> 2 * BITS) & M, (w >> 3 * BITS) & M))
+        c = tl.join(tl.join(code_of(w, 0, BITS, W), code_of(w, 1, BITS, W)),
+                    tl.join(code_of(w, 2, BITS, W), code_of(w, 3, BITS, W)))
     else:
-        c = tl.join(tl.join(tl.join(w & M, (w >> BITS) & M),
-                            tl.join((w >> 2 * BITS) & M, (w >> 3 * BITS) & M)),
-                    tl.join(tl.join((w >> 4 * BITS) & M, (w >> 5 * BITS) & M),
-                            tl.join((w >> 6 * BITS) & M, (w >> 7 * BITS) & M)))
+        c = tl.join(tl.join(tl.join(code_of(w, 0, BITS, W), code_of(w, 1, BITS, W)),
+                            tl.join(code_of(w, 2, BITS, W), code_of(w, 3, BITS, W))),
+                    tl.join(tl.join(code_of(w, 4, BITS, W), code_of(w, 5, BITS, W)),
+                            tl.join(code_of(w, 6, BITS, W), code_of(w, 7, BITS, W))))
     return tl.reshape(c, (w.shape[0], w.shape[1] * CPW))
 
 
@@ -58,10 +108,11 @@ def coords(GP: tl.constexpr, CPW: tl.constexpr):
 
 @triton.jit
 def load_codes(cache_ptr, pbase, tip, ok, OFF: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
-               W: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, CPW: tl.constexpr):
+               W: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, CPW: tl.constexpr,
+               CM: tl.constexpr):
     """Codes [N, GP·CPW] of the tokens (page base pbase [N], offset in page tip [N])."""
-    ptr = cache_ptr + (pbase + OFF + tip * G)[:, None]
-    return split_words(load_words(ptr, ok[:, None], BS, W, G, GP), BITS, CPW)
+    ptr = row_ptr(cache_ptr, pbase, tip, OFF, G, CM)
+    return split_words(load_words(ptr, ok[:, None], BS, W, G, GP, CM), BITS, CPW, W)
 
 
 @triton.jit

@@ -32,26 +32,52 @@ import triton.language as tl
 
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
+from . import _asm, _tl
 from ._spec import default_scale, kernel_spec, next_pow2
 
 @triton.jit
 def _raw_field(cache_ptr, pbase, tip, ok, BS: tl.constexpr, OFF: tl.constexpr, W: tl.constexpr,
-               G: tl.constexpr, GP: tl.constexpr):
+               G: tl.constexpr, GP: tl.constexpr, CM: tl.constexpr):
     """Raw bytes [N, GP] of a code field's W sub-planes (unused planes alias plane 0)."""
-    g = tl.arange(0, GP)[None, :]
-    if G == GP:
-        m = ok[:, None]
-    else:
-        m = ok[:, None] & (g < G)
-    ptr = cache_ptr + (pbase + OFF + tip * G)[:, None] + g
-    b0 = tl.load(ptr, mask=m, other=0)
+    ptr = _tl.row_ptr(cache_ptr, pbase, tip, OFF, G, CM)
+    b0 = _tl.load_bytes(ptr, ok[:, None], BS, 0, G, GP, CM)
     if W == 3:
-        b1 = tl.load(ptr + BS * G, mask=m, other=0)
-        b2 = tl.load(ptr + 2 * BS * G, mask=m, other=0)
+        b1 = _tl.load_bytes(ptr, ok[:, None], BS, 1, G, GP, CM)
+        b2 = _tl.load_bytes(ptr, ok[:, None], BS, 2, G, GP, CM)
     else:
         b1 = b0
         b2 = b0
     return b0, b1, b2
+
+
+@triton.jit
+def _raw_words(cache_ptr, pbase4, tip4, okp4, BS: tl.constexpr, OFF: tl.constexpr,
+               G: tl.constexpr, GP: tl.constexpr):
+    """int32 [GP, N/4] of the three sub-planes of a column-major 3-bit field: word (g, r) holds
+    byte position g of tokens 4r..4r+3 (pbase4/tip4/okp4: page base, offset and page mask of
+    token 4r)."""
+    g = tl.arange(0, GP)[:, None]
+    m = okp4[None, :] & (g < G)
+    # in words: pages and planes start 16-byte aligned, so the 4 words of a page's 16 tokens
+    # are contiguous and aligned (the hint lets the load vectorise along tokens)
+    off = ((pbase4 + OFF + tip4) // 4)[None, :] + g * (BS // 4)
+    off = tl.max_contiguous(tl.multiple_of(off, [1, 4]), [1, 4])
+    p = cache_ptr.to(tl.pointer_type(tl.int32)) + off
+    w0 = tl.load(p, mask=m, other=0)
+    w1 = tl.load(p + BS * G // 4, mask=m, other=0)
+    w2 = tl.load(p + BS * G // 2, mask=m, other=0)
+    return w0, w1, w2
+
+
+@triton.jit
+def _raw_row_words(cache_ptr, pbase, tip, ok, OFF: tl.constexpr, G: tl.constexpr,
+                   GP: tl.constexpr, S: tl.constexpr, BS: tl.constexpr):
+    """int32 [N, GP/4] of sub-plane S of a token-major plane (G % 4 == 0): word w = bytes
+    4w..4w+3."""
+    w = tl.arange(0, GP // 4)[None, :]
+    off = ((pbase + OFF + S * BS * G) // 4 + tip * (G // 4))[:, None] + w
+    return tl.load(cache_ptr.to(tl.pointer_type(tl.int32)) + off,
+                   mask=ok[:, None] & (w < G // 4), other=0)
 
 
 @triton.jit
@@ -70,77 +96,118 @@ def _words(b0, b1, b2, W: tl.constexpr):
 
 @triton.jit
 def _phase_tile(w, I: tl.constexpr, lut_ptr, cm, LUT_ON: tl.constexpr, FP8: tl.constexpr,
-                FP8_NATIVE: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr):
-    """Code I of every word → fp16 tile [N, GP] (centroid / fp8 key / uniform code) and
-    Σc² [N]."""
-    code = (w >> (BITS * I)) & ((1 << BITS) - 1)
+                FP8_NATIVE: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, LUT: tl.constexpr):
+    """Code I of every word → fp16 tile [N, GP] (centroid / fp8 key / uniform code)."""
+    code = _tl.code_of(w, I, BITS, W)
     if FP8 and FP8_NATIVE:
         v = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        ss = tl.zeros([code.shape[0]], tl.float32)
     elif LUT_ON:
-        c = tl.load(lut_ptr + LUT + code, mask=cm, other=0.0)
-        v = c.to(tl.float16)
-        ss = tl.sum(c * c, axis=1)
+        v = tl.load(lut_ptr + LUT + code, mask=cm, other=0.0).to(tl.float16)
     else:
         # the code as fp16 without an int→float conversion (quarter-rate): the bits 0x6400 | code
         # are the fp16 1024 + code, and subtracting 1024 in fp16 is exact. (Subtracting
         # 1024·Σp from the fp32 accumulator instead lost the output to the tensor cores'
         # truncating accumulation at long splits: cosine 0.79 at 16K tokens per split.)
         v = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-        ss = tl.zeros([code.shape[0]], tl.float32)
-    return v, ss
+    return v
 
 
 @triton.jit
-def _key_phase(w, I: tl.constexpr, q, s, ss, lut_ptr, cm, FP8: tl.constexpr,
-               FP8_NATIVE: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr):
-    k, sq = _phase_tile(w, I, lut_ptr, cm, True, FP8, FP8_NATIVE, BITS, LUT)
-    return s + tl.dot(q, tl.trans(k)), ss + sq
+def _key_phase(w, I: tl.constexpr, q, s, lut_ptr, cm, FP8: tl.constexpr,
+               FP8_NATIVE: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr,
+               LUT: tl.constexpr):
+    k = _phase_tile(w, I, lut_ptr, cm, True, FP8, FP8_NATIVE, BITS, W, LUT)
+    return s + tl.dot(q, tl.trans(k))
 
 
 @triton.jit
-def _key_field(w, q0, q1, q2, q3, q4, q5, q6, q7, s, ss, lut_ptr, cm, FP8: tl.constexpr,
-               FP8_NATIVE: tl.constexpr, BITS: tl.constexpr, CPW: tl.constexpr,
+def _key_field(w, q0, q1, q2, q3, q4, q5, q6, q7, s, lut_ptr, cm, FP8: tl.constexpr,
+               FP8_NATIVE: tl.constexpr, BITS: tl.constexpr, CPW: tl.constexpr, W: tl.constexpr,
                LUT: tl.constexpr):
     """s += Σ_i q_i · tile_iᵀ over the CPW codes of each word."""
-    s, ss = _key_phase(w, 0, q0, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
+    s = _key_phase(w, 0, q0, s, lut_ptr, cm, FP8, FP8_NATIVE, BITS, W, LUT)
     if CPW > 1:
-        s, ss = _key_phase(w, 1, q1, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
+        s = _key_phase(w, 1, q1, s, lut_ptr, cm, FP8, FP8_NATIVE, BITS, W, LUT)
     if CPW > 2:
-        s, ss = _key_phase(w, 2, q2, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
-        s, ss = _key_phase(w, 3, q3, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
+        s = _key_phase(w, 2, q2, s, lut_ptr, cm, FP8, FP8_NATIVE, BITS, W, LUT)
+        s = _key_phase(w, 3, q3, s, lut_ptr, cm, FP8, FP8_NATIVE, BITS, W, LUT)
     if CPW > 4:
-        s, ss = _key_phase(w, 4, q4, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
-        s, ss = _key_phase(w, 5, q5, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
-        s, ss = _key_phase(w, 6, q6, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
-        s, ss = _key_phase(w, 7, q7, s, ss, lut_ptr, cm, FP8, FP8_NATIVE, BITS, LUT)
-    return s, ss
+        s = _key_phase(w, 4, q4, s, lut_ptr, cm, FP8, FP8_NATIVE, BITS, W, LUT)
+        s = _key_phase(w, 5, q5, s, lut_ptr, cm, FP8, FP8_NATIVE, BITS, W, LUT)
+        s = _key_phase(w, 6, q6, s, lut_ptr, cm, FP8, FP8_NATIVE, BITS, W, LUT)
+        s = _key_phase(w, 7, q7, s, lut_ptr, cm, FP8, FP8_NATIVE, BITS, W, LUT)
+    return s
+
+
+@triton.jit
+def _quad_tile(p01, p23):
+    """fp16 pairs of elements (4r, 4r+1) and (4r+2, 4r+3), int32 [C, R] each → fp16 [C, 4R]
+    (element 4r + i in column 4r + i)."""
+    lo = tl.join((p01 & 0xFFFF).to(tl.int16), (p23 & 0xFFFF).to(tl.int16))
+    hi = tl.join((p01 >> 16).to(tl.int16), (p23 >> 16).to(tl.int16))
+    t = tl.join(lo, hi).to(tl.float16, bitcast=True)          # [C, R, 2, 2]
+    return tl.reshape(t, (p01.shape[0], p01.shape[1] * 4))
+
+
+@triton.jit
+def _key_field_lut3(w0, w1, w2, q0, q1, q2, q3, q4, q5, q6, q7, s, KASM: tl.constexpr,
+                    CHAINS: tl.constexpr):
+    """3-bit centroid keys straight from the page words: int32 [GP, BLOCK_N/4] of each byte
+    sub-plane (4 consecutive tokens of one byte position per word, column-major planes). One
+    inline-asm block per word triple turns them into the 32 centroids as fp16 pairs with
+    register ``prmt`` table lookups (asm text: kernels/_asm.py)."""
+    o = tl.inline_asm_elementwise(KASM, "=r," * 16 + "r,r,r", [w0, w1, w2], (tl.int32,) * 16,
+                                  is_pure=True, pack=1)
+    # CHAINS = 2: two independent accumulation chains (more tensor-core work in flight)
+    s2 = tl.zeros_like(s) if CHAINS == 2 else s
+    s = tl.dot(q0, _quad_tile(o[0], o[1]), s)
+    s2 = tl.dot(q1, _quad_tile(o[2], o[3]), s2 if CHAINS == 2 else s)
+    s = tl.dot(q2, _quad_tile(o[4], o[5]), s if CHAINS == 2 else s2)
+    s2 = tl.dot(q3, _quad_tile(o[6], o[7]), s2 if CHAINS == 2 else s)
+    s = tl.dot(q4, _quad_tile(o[8], o[9]), s if CHAINS == 2 else s2)
+    s2 = tl.dot(q5, _quad_tile(o[10], o[11]), s2 if CHAINS == 2 else s)
+    s = tl.dot(q6, _quad_tile(o[12], o[13]), s if CHAINS == 2 else s2)
+    s2 = tl.dot(q7, _quad_tile(o[14], o[15]), s2 if CHAINS == 2 else s)
+    return s + s2 if CHAINS == 2 else s2
+
+
+@triton.jit
+def _value_tiles_u4(w):
+    """4-bit uniform value codes, int32 words [N, GP/4] (4 bytes = 4 columns) → the low-nibble
+    and high-nibble tiles [N, GP] fp16, by inline asm."""
+    o = tl.inline_asm_elementwise(_asm.U4_VALUES, "=r,=r,=r,=r,r", [w], (tl.int32,) * 4,
+                                  is_pure=True, pack=1)
+    return _quad_tile(o[0], o[1]), _quad_tile(o[2], o[3])
+
+
+@triton.jit
+def _value_tiles_lut3(w0, w1, w2, VASM: tl.constexpr):
+    """3-bit value codes (centroids, or uniform codes as the table 0..7), int32 words
+    [N, GP/4] of the three sub-planes (word = 4 words' bytes) → the 8 code tiles [N, GP] fp16."""
+    o = tl.inline_asm_elementwise(VASM, "=r," * 16 + "r,r,r", [w0, w1, w2], (tl.int32,) * 16,
+                                  is_pure=True, pack=1)
+    return (_quad_tile(o[0], o[1]), _quad_tile(o[2], o[3]), _quad_tile(o[4], o[5]),
+            _quad_tile(o[6], o[7]), _quad_tile(o[8], o[9]), _quad_tile(o[10], o[11]),
+            _quad_tile(o[12], o[13]), _quad_tile(o[14], o[15]))
 
 
 @triton.jit
 def _value_tiles(w, lut_ptr, cm, TQ: tl.constexpr, BITS: tl.constexpr, CPW: tl.constexpr,
-                 LUT: tl.constexpr):
-    """The CPW value tiles of a field (unused ones alias tile 0) and Σc² [N]."""
-    t0, ss = _phase_tile(w, 0, lut_ptr, cm, TQ, False, False, BITS, LUT)
+                 W: tl.constexpr, LUT: tl.constexpr):
+    """The CPW value tiles of a field (unused ones alias tile 0)."""
+    t0 = _phase_tile(w, 0, lut_ptr, cm, TQ, False, False, BITS, W, LUT)
     t1, t2, t3, t4, t5, t6, t7 = t0, t0, t0, t0, t0, t0, t0
     if CPW > 1:
-        t1, sq = _phase_tile(w, 1, lut_ptr, cm, TQ, False, False, BITS, LUT)
-        ss += sq
+        t1 = _phase_tile(w, 1, lut_ptr, cm, TQ, False, False, BITS, W, LUT)
     if CPW > 2:
-        t2, sq = _phase_tile(w, 2, lut_ptr, cm, TQ, False, False, BITS, LUT)
-        ss += sq
-        t3, sq = _phase_tile(w, 3, lut_ptr, cm, TQ, False, False, BITS, LUT)
-        ss += sq
+        t2 = _phase_tile(w, 2, lut_ptr, cm, TQ, False, False, BITS, W, LUT)
+        t3 = _phase_tile(w, 3, lut_ptr, cm, TQ, False, False, BITS, W, LUT)
     if CPW > 4:
-        t4, sq = _phase_tile(w, 4, lut_ptr, cm, TQ, False, False, BITS, LUT)
-        ss += sq
-        t5, sq = _phase_tile(w, 5, lut_ptr, cm, TQ, False, False, BITS, LUT)
-        ss += sq
-        t6, sq = _phase_tile(w, 6, lut_ptr, cm, TQ, False, False, BITS, LUT)
-        ss += sq
-        t7, sq = _phase_tile(w, 7, lut_ptr, cm, TQ, False, False, BITS, LUT)
-        ss += sq
-    return t0, t1, t2, t3, t4, t5, t6, t7, ss
+        t4 = _phase_tile(w, 4, lut_ptr, cm, TQ, False, False, BITS, W, LUT)
+        t5 = _phase_tile(w, 5, lut_ptr, cm, TQ, False, False, BITS, W, LUT)
+        t6 = _phase_tile(w, 6, lut_ptr, cm, TQ, False, False, BITS, W, LUT)
+        t7 = _phase_tile(w, 7, lut_ptr, cm, TQ, False, False, BITS, W, LUT)
+    return t0, t1, t2, t3, t4, t5, t6, t7
 
 
 @triton.jit
@@ -201,26 +268,60 @@ def _store_field(po_ptr, po_rows, row_ok, inv, z, a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
-def _load_tile(cache_ptr, bt_row, tok, ok, sc_b, kvh_off, BS: tl.constexpr,
+def _load_tile(cache_ptr, bt_row, tok0, lim, sc_b, kvh_off, BS: tl.constexpr,
+               BLOCK_N: tl.constexpr, K0_ASM: tl.constexpr, K1_ASM: tl.constexpr,
+               V_ASM: tl.constexpr,
                K_FP8: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
                K0_OFF: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr, K0_GP: tl.constexpr,
+               K0_CM: tl.constexpr,
                K1_OFF: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr, K1_GP: tl.constexpr,
+               K1_CM: tl.constexpr,
                V_TQ: tl.constexpr, VN_OFF: tl.constexpr, VS_OFF: tl.constexpr,
                VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
                V0_OFF: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr, V0_GP: tl.constexpr,
-               V1_OFF: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr, V1_GP: tl.constexpr):
-    """Every raw byte / fp16 field of one tile of tokens (issued together, consumed later)."""
-    blk = tl.load(bt_row + tok // BS, mask=ok, other=0).to(tl.int64)
+               V0_CM: tl.constexpr,
+               V1_OFF: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr, V1_GP: tl.constexpr,
+               V1_CM: tl.constexpr):
+    """Every raw byte / fp16 field of the tokens tok < lim of a tile (issued together, consumed
+    later). Column-major key planes are read by whole pages (a mask constant over each run of
+    block_size tokens lets the loads vectorise): the bytes of tokens past the end are real page
+    memory, their scores are masked and their values weighted by 0 (their norms read as 0)."""
+    tok = tok0 + tl.arange(0, BLOCK_N)
+    ok = tok < lim
+    okp = (tok // BS) * BS < lim
+    blk = tl.load(bt_row + tok // BS, mask=okp, other=0).to(tl.int64)
     pbase = blk * sc_b + kvh_off
     tip = tok % BS
-    ka, kb, kc = _raw_field(cache_ptr, pbase, tip, ok, BS, K0_OFF, K0_W, K0_G, K0_GP)
+    if K0_ASM or K1_ASM:
+        tok4 = tok0 + tl.arange(0, BLOCK_N // 4) * 4
+        okp4 = (tok4 // BS) * BS < lim
+        blk4 = tl.load(bt_row + tok4 // BS, mask=okp4, other=0).to(tl.int64)
+        pbase4 = blk4 * sc_b + kvh_off
+        tip4 = tok4 % BS
+    if K0_ASM:
+        ka, kb, kc = _raw_words(cache_ptr, pbase4, tip4, okp4, BS, K0_OFF, K0_G, K0_GP)
+    else:
+        ka, kb, kc = _raw_field(cache_ptr, pbase, tip, okp if K0_CM else ok, BS, K0_OFF, K0_W,
+                                K0_G, K0_GP, K0_CM)
     if HAS_K1:
-        kd, ke, kf = _raw_field(cache_ptr, pbase, tip, ok, BS, K1_OFF, K1_W, K1_G, K1_GP)
+        if K1_ASM:
+            kd, ke, kf = _raw_words(cache_ptr, pbase4, tip4, okp4, BS, K1_OFF, K1_G, K1_GP)
+        else:
+            kd, ke, kf = _raw_field(cache_ptr, pbase, tip, okp if K1_CM else ok, BS, K1_OFF,
+                                    K1_W, K1_G, K1_GP, K1_CM)
     else:
         kd, ke, kf = ka, kb, kc
-    va, vb, vc = _raw_field(cache_ptr, pbase, tip, ok, BS, V0_OFF, V0_W, V0_G, V0_GP)
+    if V_ASM == 1:
+        va = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 0, BS)
+        vb, vc = va, va
+    elif V_ASM == 3:
+        va = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 0, BS)
+        vb = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 1, BS)
+        vc = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 2, BS)
+    else:
+        va, vb, vc = _raw_field(cache_ptr, pbase, tip, ok, BS, V0_OFF, V0_W, V0_G, V0_GP, V0_CM)
     if HAS_V1:
-        vd, ve, vf = _raw_field(cache_ptr, pbase, tip, ok, BS, V1_OFF, V1_W, V1_G, V1_GP)
+        vd, ve, vf = _raw_field(cache_ptr, pbase, tip, ok, BS, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
     else:
         vd, ve, vf = va, vb, vc
     if V_TQ:
@@ -243,23 +344,25 @@ def _decode_split_kernel(
         scale, softcap, window, kfac, vfac,
         HAS_QSL: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HK: tl.constexpr,
+        K0_ASM: tl.constexpr, K0_KASM: tl.constexpr, K1_ASM: tl.constexpr, K1_KASM: tl.constexpr,
+        V_ASM: tl.constexpr, V_VASM: tl.constexpr, QK_CHAINS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS, PREFETCH: tl.constexpr,
         FP8_NATIVE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
         K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
         K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
-        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr,
+        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr, K0_CM: tl.constexpr,
         K1_OFF: tl.constexpr, K1_BITS: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr,
         K1_GP: tl.constexpr, K1_CPW: tl.constexpr, K1_START: tl.constexpr,
-        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr,
+        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr, K1_CM: tl.constexpr,
         V_TQ: tl.constexpr, V_CORR: tl.constexpr, V_LEVELS: tl.constexpr, VN_OFF: tl.constexpr,
         VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
         V0_OFF: tl.constexpr, V0_BITS: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr,
         V0_GP: tl.constexpr, V0_CPW: tl.constexpr, V0_START: tl.constexpr,
-        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr,
+        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr, V0_CM: tl.constexpr,
         V1_OFF: tl.constexpr, V1_BITS: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr,
         V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
-        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr,
+        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
         PAD_OFF: tl.constexpr, PAD_N: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -329,44 +432,49 @@ def _decode_split_kernel(
 
         # software pipeline: the bytes of tile t+1 are in flight while tile t is computed
         tok = start + t0 * BLOCK_N + ar
-        ok = (tok < range_hi) & (t0 < t1)
         ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3 = _load_tile(
-            cache_ptr, bt_row, tok, ok, sc_b, kvh_off, BS, K_FP8, KN_OFF, HAS_K1,
-            K0_OFF, K0_W, K0_G, K0_GP, K1_OFF, K1_W, K1_G, K1_GP, V_TQ, VN_OFF, VS_OFF, VZ_OFF,
-            HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V1_OFF, V1_W, V1_G, V1_GP)
+            cache_ptr, bt_row, start + t0 * BLOCK_N, tl.where(t0 < t1, range_hi, 0), sc_b, kvh_off, BS,
+            BLOCK_N, K0_ASM, K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1,
+            K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF, VZ_OFF,
+            HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
         for t in range(t0, t1):
             tok = start + t * BLOCK_N + ar
             ok = tok < range_hi
             if PREFETCH:
-                tokn = tok + BLOCK_N
-                okn = (tokn < range_hi) & (t + 1 < t1)
                 (ka_n, kb_n, kc_n, kd_n, ke_n, kf_n, va_n, vb_n, vc_n, vd_n, ve_n, vf_n, n1_n,
                  n2_n, n3_n) = _load_tile(
-                    cache_ptr, bt_row, tokn, okn, sc_b, kvh_off, BS, K_FP8, KN_OFF, HAS_K1,
-                    K0_OFF, K0_W, K0_G, K0_GP, K1_OFF, K1_W, K1_G, K1_GP, V_TQ, VN_OFF, VS_OFF,
-                    VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V1_OFF, V1_W, V1_G, V1_GP)
+                    cache_ptr, bt_row, start + (t + 1) * BLOCK_N, tl.where(t + 1 < t1, range_hi, 0), sc_b,
+                    kvh_off, BS, BLOCK_N, K0_ASM, K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1,
+                    K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF,
+                    VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
             elif t > t0:
                 ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3 = _load_tile(
-                    cache_ptr, bt_row, tok, ok, sc_b, kvh_off, BS, K_FP8, KN_OFF, HAS_K1,
-                    K0_OFF, K0_W, K0_G, K0_GP, K1_OFF, K1_W, K1_G, K1_GP, V_TQ, VN_OFF, VS_OFF,
-                    VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V1_OFF, V1_W, V1_G, V1_GP)
+                    cache_ptr, bt_row, start + t * BLOCK_N, range_hi, sc_b, kvh_off, BS, BLOCK_N, K0_ASM,
+                    K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1,
+                    K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF,
+                    VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
 
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            ss = tl.zeros([BLOCK_N], tl.float32)
-            s, ss = _key_field(_words(ka, kb, kc, K0_W), qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7,
-                               s, ss, lut_ptr, ok[:, None] & gk0, K_FP8, FP8_NATIVE, K0_BITS,
-                               K0_CPW, K0_LUT)
+            if K0_ASM:
+                s = _key_field_lut3(ka, kb, kc, qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7, s,
+                                    K0_KASM, QK_CHAINS)
+            else:
+                s = _key_field(_words(ka, kb, kc, K0_W), qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7,
+                               s, lut_ptr, ok[:, None] & gk0, K_FP8, FP8_NATIVE, K0_BITS,
+                               K0_CPW, K0_W, K0_LUT)
             if HAS_K1:
-                s, ss = _key_field(_words(kd, ke, kf, K1_W), qb0, qb1, qb2, qb3, qb4, qb5, qb6,
-                                   qb7, s, ss, lut_ptr, ok[:, None] & gk1, K_FP8, FP8_NATIVE,
-                                   K1_BITS, K1_CPW, K1_LUT)
+                if K1_ASM:
+                    s = _key_field_lut3(kd, ke, kf, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, s,
+                                        K1_KASM, QK_CHAINS)
+                else:
+                    s = _key_field(_words(kd, ke, kf, K1_W), qb0, qb1, qb2, qb3, qb4, qb5, qb6,
+                                   qb7, s, lut_ptr, ok[:, None] & gk1, K_FP8, FP8_NATIVE,
+                                   K1_BITS, K1_CPW, K1_W, K1_LUT)
             if K_FP8:
                 s = s * qk_scale
             else:
-                fk = n1.to(tl.float32)
-                if K_CORR == 1:
-                    fk = fk / tl.sqrt(tl.where(ok, ss, 1.0))
-                elif K_CORR == 2:
+                fk = n1.to(tl.float32)  # "nc" is folded into the stored norm
+                if K_CORR == 2:
                     fk = fk * kfac
                 s = s * (fk * qk_scale)[None, :]
             if HAS_SOFTCAP:
@@ -384,20 +492,22 @@ def _decode_split_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
 
-            va0, va1, va2, va3, va4, va5, va6, va7, sv = _value_tiles(
-                _words(va, vb, vc, V0_W), lut_ptr, ok[:, None] & gv0, V_TQ, V0_BITS, V0_CPW,
-                V0_LUT)
+            if V_ASM == 1:
+                va0, va1 = _value_tiles_u4(va)
+                va2, va3, va4, va5, va6, va7 = va0, va0, va0, va0, va0, va0
+            elif V_ASM == 3:
+                va0, va1, va2, va3, va4, va5, va6, va7 = _value_tiles_lut3(va, vb, vc, V_VASM)
+            else:
+                va0, va1, va2, va3, va4, va5, va6, va7 = _value_tiles(
+                    _words(va, vb, vc, V0_W), lut_ptr, ok[:, None] & gv0, V_TQ, V0_BITS, V0_CPW,
+                    V0_W, V0_LUT)
             if HAS_V1:
-                vb0, vb1, vb2, vb3, vb4, vb5, vb6, vb7, sv1 = _value_tiles(
+                vb0, vb1, vb2, vb3, vb4, vb5, vb6, vb7 = _value_tiles(
                     _words(vd, ve, vf, V1_W), lut_ptr, ok[:, None] & gv1, V_TQ, V1_BITS, V1_CPW,
-                    V1_LUT)
-                sv += sv1
-            fv = n2.to(tl.float32)
-            if V_TQ:
-                if V_CORR == 1:
-                    fv = fv / tl.sqrt(tl.where(ok, sv, 1.0))
-                elif V_CORR == 2:
-                    fv = fv * vfac
+                    V1_W, V1_LUT)
+            fv = n2.to(tl.float32)  # "nc" is folded into the stored norm
+            if V_TQ and V_CORR == 2:
+                fv = fv * vfac
             pv = (p * fv[None, :]).to(tl.float16)
             if not V_TQ:
                 zacc = zacc * alpha + tl.sum(p * n3.to(tl.float32)[None, :], axis=1)
@@ -472,11 +582,54 @@ def _num_sms(device) -> int:
     return 4
 
 
-# BLOCK_N None: picked per preset by _block_n. Measured on H200 (bench/results/decode_h200.md):
-# 128 tokens / 4 warps / register prefetch was fastest for turboquant_k3v4_nc; Triton's own
-# pipelining (num_stages > 1) routes the centroid gathers through shared memory and is 3-4x slower.
-DEFAULTS = {"BLOCK_N": None, "num_warps": 4, "num_stages": 1, "target_programs": 8,
-            "PREFETCH": True, "maxnreg": None}
+# BLOCK_N / num_warps None: picked per path by launch_config. Measured on the H200
+# (bench/results/decode_tune_s4_h200.md): 3-bit keys through inline asm are fastest at 64
+# tokens / 2 warps (~235 registers: 4 programs per SM), asm values with byte-wise keys at
+# 32 tokens / 1 warp, the byte-wise paths at 4 warps and the largest tile that does not spill
+# (_block_n). Triton's own pipelining (num_stages > 1) routes the centroid gathers through
+# shared memory and is 3-4x slower.
+DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
+            "PREFETCH": True, "maxnreg": None, "ASM": True, "QK_CHAINS": 2}
+
+
+def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
+    """(config, asm constexprs) of a call: DEFAULTS, the per-preset choices, then ``tune``."""
+    cfg = {**DEFAULTS, **tune}
+    asm = _asm_meta(spec, cfg["ASM"] and not interp)
+    # per path, from the H200 sweep over every preset (bench/results/decode_tune_s4_h200.md)
+    if asm["K0_ASM"]:
+        warps, block_n = 2, 64
+    elif asm["V_ASM"]:
+        warps, block_n = 1, 32
+    else:
+        warps, block_n = 4, _block_n(spec)
+    if cfg["num_warps"] is None:
+        cfg["num_warps"] = warps
+    if cfg["BLOCK_N"] is None:
+        cfg["BLOCK_N"] = block_n
+    return cfg, asm
+
+
+def _asm_meta(spec, on: bool) -> dict:
+    """Which fields take the inline-asm conversions (kernels/_asm.py; never under the
+    interpreter): 3-bit key fields (column-major words), 4-bit uniform values and 3-bit values
+    (tq centroids or uniform codes) whose token rows are whole int32 words."""
+    meta = {}
+    keys = spec.key_fields + [None] * (2 - len(spec.key_fields))
+    for i, f in enumerate(keys):
+        lut3 = on and f is not None and f.cm and f.lut >= 0
+        meta[f"K{i}_ASM"] = lut3
+        meta[f"K{i}_KASM"] = _asm.lut3(spec.table[f.lut:f.lut + 8]) if lut3 else ""
+    v = spec.value_fields
+    one = on and len(v) == 1 and v[0].g % 4 == 0      # whole int32 words per token row
+    meta["V_ASM"], meta["V_VASM"] = 0, ""
+    if one and not spec.meta["V_TQ"] and v[0].bits == 4 and v[0].w == 1:
+        meta["V_ASM"] = 1                               # two 4-bit codes per byte
+    elif one and v[0].bits == 3 and v[0].w == 3:
+        meta["V_ASM"] = 3                               # centroids, or uniform codes 0..7
+        table = spec.table[v[0].lut:v[0].lut + 8] if spec.meta["V_TQ"] else range(8)
+        meta["V_VASM"] = _asm.lut3(table)
+    return meta
 
 
 def _block_n(spec) -> int:
@@ -513,7 +666,7 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be float16/bfloat16/float32, got {q.dtype}")
     spec = kernel_spec(codec, bs)
-    cfg = {**DEFAULTS, **tune}
+    cfg, asm = launch_config(spec, tune, q.device.type != "cuda")
     if q.stride(-1) != 1:
         q = q.contiguous()
     group = hq // hk
@@ -549,8 +702,8 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
         spec.kfac, spec.vfac,
         HAS_QSL=query_start_loc is not None, HAS_QPOS=query_pos_start is not None,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), GROUP=group, HK=hk,
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"] or _block_n(spec), NUM_SPLITS=num_splits,
-        PREFETCH=cfg["PREFETCH"],
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
+        PREFETCH=cfg["PREFETCH"], QK_CHAINS=cfg["QK_CHAINS"], **asm,
         FP8_NATIVE=not interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}), **spec.meta)
 

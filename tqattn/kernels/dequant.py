@@ -21,11 +21,11 @@ from ._spec import kernel_spec
 @triton.jit
 def _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS: tl.constexpr, OFF: tl.constexpr,
                BITS: tl.constexpr, W: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-               CPW: tl.constexpr, LUT: tl.constexpr):
-    codes = _tl.load_codes(cache_ptr, pbase, tip, ok, OFF, BS, BITS, W, G, GP, CPW)
+               CPW: tl.constexpr, LUT: tl.constexpr, CM: tl.constexpr):
+    codes = _tl.load_codes(cache_ptr, pbase, tip, ok, OFF, BS, BITS, W, G, GP, CPW, CM)
     col = _tl.coords(GP, CPW)
     c = tl.load(lut_ptr + LUT + codes, mask=ok[:, None] & (col < G * CPW)[None, :], other=0.0)
-    return c, tl.sum(c * c, axis=1)
+    return c
 
 
 @triton.jit
@@ -58,18 +58,18 @@ def _dequant_kernel(
         K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
         K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
         K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
-        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr,
+        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr, K0_CM: tl.constexpr,
         K1_OFF: tl.constexpr, K1_BITS: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr,
         K1_GP: tl.constexpr, K1_CPW: tl.constexpr, K1_START: tl.constexpr,
-        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr,
+        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr, K1_CM: tl.constexpr,
         V_TQ: tl.constexpr, V_CORR: tl.constexpr, V_LEVELS: tl.constexpr, VN_OFF: tl.constexpr,
         VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
         V0_OFF: tl.constexpr, V0_BITS: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr,
         V0_GP: tl.constexpr, V0_CPW: tl.constexpr, V0_START: tl.constexpr,
-        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr,
+        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr, V0_CM: tl.constexpr,
         V1_OFF: tl.constexpr, V1_BITS: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr,
         V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
-        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr,
+        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
         PAD_OFF: tl.constexpr, PAD_N: tl.constexpr):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -87,7 +87,7 @@ def _dequant_kernel(
 
         if K_FP8:
             codes = _tl.load_codes(cache_ptr, pbase, tip, ok, K0_OFF, BS, K0_BITS, K0_W, K0_G,
-                                   K0_GP, K0_CPW)
+                                   K0_GP, K0_CPW, K0_CM)
             if FP8_NATIVE:
                 kv = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
@@ -96,16 +96,13 @@ def _dequant_kernel(
             tl.store(k_ptr + k_rows[:, None] + d[None, :], kv.to(k_ptr.dtype.element_ty),
                      mask=ok[:, None] & (d < D)[None, :])
         else:
-            c0, ss = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, K0_OFF, K0_BITS, K0_W,
-                                K0_G, K0_GP, K0_CPW, K0_LUT)
+            c0 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, K0_OFF, K0_BITS, K0_W,
+                            K0_G, K0_GP, K0_CPW, K0_LUT, K0_CM)
             if HAS_K1:
-                c1, ss1 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, K1_OFF, K1_BITS,
-                                     K1_W, K1_G, K1_GP, K1_CPW, K1_LUT)
-                ss += ss1
-            f = _tl.load_fp16(cache_ptr, pbase, tip, ok, KN_OFF)
-            if K_CORR == 1:
-                f = f / tl.sqrt(tl.where(ok, ss, 1.0))
-            elif K_CORR == 2:
+                c1 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, K1_OFF, K1_BITS,
+                                K1_W, K1_G, K1_GP, K1_CPW, K1_LUT, K1_CM)
+            f = _tl.load_fp16(cache_ptr, pbase, tip, ok, KN_OFF)  # "nc": folded into the norm
+            if K_CORR == 2:
                 f = f * kfac
             if not HAS_K1:
                 c1 = c0
@@ -114,16 +111,13 @@ def _dequant_kernel(
                             K1_START, K1_COUNT)
 
         if V_TQ:
-            c0, ss = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, V0_OFF, V0_BITS, V0_W,
-                                V0_G, V0_GP, V0_CPW, V0_LUT)
+            c0 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, V0_OFF, V0_BITS, V0_W,
+                            V0_G, V0_GP, V0_CPW, V0_LUT, V0_CM)
             if HAS_V1:
-                c1, ss1 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, V1_OFF, V1_BITS,
-                                     V1_W, V1_G, V1_GP, V1_CPW, V1_LUT)
-                ss += ss1
-            f = _tl.load_fp16(cache_ptr, pbase, tip, ok, VN_OFF)
-            if V_CORR == 1:
-                f = f / tl.sqrt(tl.where(ok, ss, 1.0))
-            elif V_CORR == 2:
+                c1 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, V1_OFF, V1_BITS,
+                                V1_W, V1_G, V1_GP, V1_CPW, V1_LUT, V1_CM)
+            f = _tl.load_fp16(cache_ptr, pbase, tip, ok, VN_OFF)  # "nc": folded into the norm
+            if V_CORR == 2:
                 f = f * vfac
             if not HAS_V1:
                 c1 = c0
@@ -132,7 +126,7 @@ def _dequant_kernel(
                             V1_START, V1_COUNT)
         else:
             codes = _tl.load_codes(cache_ptr, pbase, tip, ok, V0_OFF, BS, V0_BITS, V0_W, V0_G,
-                                   V0_GP, V0_CPW)
+                                   V0_GP, V0_CPW, V0_CM)
             sc = _tl.load_fp16(cache_ptr, pbase, tip, ok, VS_OFF)
             zr = _tl.load_fp16(cache_ptr, pbase, tip, ok, VZ_OFF)
             val = codes.to(tl.float32) * sc[:, None] + zr[:, None]

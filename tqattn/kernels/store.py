@@ -1,7 +1,7 @@
 """Store kernel: quantize new K/V and write them into the paged TurboQuant cache (Triton).
 
 Math = :func:`tqattn.quant.paged.store_ref` (= ``TQCodec.encode`` with ``on_nonfinite=
-"propagate"`` + the page layout). One program per ``HB`` consecutive (token, KV head) rows of
+"propagate", fold_nc=True)`` + the page layout). One program per ``HB`` consecutive (token, KV head) rows of
 the step's flattened ``N·Hk`` rows, one launch per layer per step, no host sync. The rotation
 is an fp32-accurate ``tl.dot`` inside the kernel (K-chunked): on the GPU three TF32 tensor-core
 dots on a hi/lo split of both operands ("tf32x3", ~2^-22 relative error); IEEE fp32 dots on the
@@ -50,18 +50,33 @@ def _fp8_e4m3(x):
 @triton.jit
 def _store_codes(code, cache_ptr, base, off, h_ok, HB: tl.constexpr, BS: tl.constexpr,
                  OFF: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
-                 GP: tl.constexpr, CPW: tl.constexpr):
+                 GP: tl.constexpr, CPW: tl.constexpr, CM: tl.constexpr):
     """Pack codes [HB, GP·CPW] (natural coordinate order) into the field's page plane."""
     if CPW == 1:
         word = code
     else:
-        sh = tl.arange(0, CPW) * BITS
-        word = tl.sum(tl.reshape(code, (HB, GP, CPW)) << sh[None, None, :], axis=2)
+        c = tl.reshape(code, (HB, GP, CPW))
+        i = tl.arange(0, CPW)[None, None, :]
+        if W == 3:  # page bit order (tqattn.quant.paged): codes 0-5 in nibbles, 6-7 bit-spread
+            spread = (c & 1) | ((c & 2) << 7) | ((c & 4) << 14)
+            bits = tl.where(i < 6, c << (4 * i), spread << tl.maximum(4 * i - 21, 0))
+        else:
+            bits = c << (i * BITS)
+        word = tl.sum(bits, axis=2)
     g = tl.arange(0, GP)[None, :]
     m = h_ok[:, None] & (g < G)
-    ptr = cache_ptr + (base + OFF + off * G)[:, None] + g
+    ptr = _tl.row_ptr(cache_ptr, base, off, OFF, G, CM) + (g * BS if CM else g)
     for s in tl.static_range(W):
         tl.store(ptr + s * BS * G, ((word >> (8 * s)) & 255).to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _centroid_ss(code, tab_ptr, LUT: tl.constexpr, COUNT: tl.constexpr):
+    """Σĉ² [HB] in fp64 over the first COUNT columns (exact up to the last bits: the folded
+    norm's fp16 rounding then matches the reference whatever the summation order)."""
+    j = tl.arange(0, code.shape[1])[None, :]
+    c = tl.load(tab_ptr + LUT + code, mask=j < COUNT, other=0.0).to(tl.float64)
+    return tl.sum(c * c, axis=1)
 
 
 @triton.jit
@@ -129,26 +144,36 @@ def _row_stats(x_ptr, rows, h_ok, D: tl.constexpr, DP: tl.constexpr):
 def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                  D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
                  TF32X3: tl.constexpr, BS: tl.constexpr, N_OFF: tl.constexpr,
-                 HAS_F1: tl.constexpr,
+                 FOLD: tl.constexpr, HAS_F1: tl.constexpr,
                  F0_OFF: tl.constexpr, F0_BITS: tl.constexpr, F0_W: tl.constexpr,
                  F0_G: tl.constexpr, F0_GP: tl.constexpr, F0_CPW: tl.constexpr,
-                 F0_START: tl.constexpr, F0_COUNT: tl.constexpr, F0_BND: tl.constexpr,
+                 F0_START: tl.constexpr, F0_COUNT: tl.constexpr, F0_LUT: tl.constexpr,
+                 F0_BND: tl.constexpr, F0_CM: tl.constexpr,
                  F1_OFF: tl.constexpr, F1_BITS: tl.constexpr, F1_W: tl.constexpr,
                  F1_G: tl.constexpr, F1_GP: tl.constexpr, F1_CPW: tl.constexpr,
-                 F1_START: tl.constexpr, F1_COUNT: tl.constexpr, F1_BND: tl.constexpr):
+                 F1_START: tl.constexpr, F1_COUNT: tl.constexpr, F1_LUT: tl.constexpr,
+                 F1_BND: tl.constexpr, F1_CM: tl.constexpr):
     """Norm + rotation + Lloyd–Max codes of x rows (the codec's _encode_unit)."""
     bad, x, _ = _row_stats(x_ptr, rows, h_ok, D, DP)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
     y = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D, DP, BK, HB, F0_START, F0_COUNT,
                 F0_GP * F0_CPW, TF32X3)
-    _store_codes(_bucketize(y, tab_ptr, F0_BND, F0_BITS), cache_ptr, base, off, h_ok, HB, BS,
-                 F0_OFF, F0_BITS, F0_W, F0_G, F0_GP, F0_CPW)
+    code = _bucketize(y, tab_ptr, F0_BND, F0_BITS)
+    _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0_OFF, F0_BITS, F0_W, F0_G, F0_GP,
+                 F0_CPW, F0_CM)
+    if FOLD:
+        ss = _centroid_ss(code, tab_ptr, F0_LUT, F0_COUNT)
     if HAS_F1:
         y1 = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D, DP, BK, HB, F1_START, F1_COUNT,
                      F1_GP * F1_CPW, TF32X3)
-        _store_codes(_bucketize(y1, tab_ptr, F1_BND, F1_BITS), cache_ptr, base, off, h_ok, HB,
-                     BS, F1_OFF, F1_BITS, F1_W, F1_G, F1_GP, F1_CPW)
+        code1 = _bucketize(y1, tab_ptr, F1_BND, F1_BITS)
+        _store_codes(code1, cache_ptr, base, off, h_ok, HB, BS, F1_OFF, F1_BITS, F1_W, F1_G,
+                     F1_GP, F1_CPW, F1_CM)
+        if FOLD:
+            ss += _centroid_ss(code1, tab_ptr, F1_LUT, F1_COUNT)
+    if FOLD:  # "nc": the page stores n / ‖ĉ‖ (tqattn.quant.paged)
+        nrm = (nrm.to(tl.float64) / tl.sqrt(ss)).to(tl.float32)  # fp64: IEEE div and sqrt
     _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
 
 
@@ -160,18 +185,18 @@ def _store_kernel(
         K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
         K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
         K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
-        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr,
+        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr, K0_CM: tl.constexpr,
         K1_OFF: tl.constexpr, K1_BITS: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr,
         K1_GP: tl.constexpr, K1_CPW: tl.constexpr, K1_START: tl.constexpr,
-        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr,
+        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr, K1_CM: tl.constexpr,
         V_TQ: tl.constexpr, V_CORR: tl.constexpr, V_LEVELS: tl.constexpr, VN_OFF: tl.constexpr,
         VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
         V0_OFF: tl.constexpr, V0_BITS: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr,
         V0_GP: tl.constexpr, V0_CPW: tl.constexpr, V0_START: tl.constexpr,
-        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr,
+        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr, V0_CM: tl.constexpr,
         V1_OFF: tl.constexpr, V1_BITS: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr,
         V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
-        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr,
+        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
         PAD_OFF: tl.constexpr, PAD_N: tl.constexpr):
     r = tl.program_id(0) * HB + tl.arange(0, HB)
     n = r // HK
@@ -189,19 +214,24 @@ def _store_kernel(
             d = tl.arange(0, DP)
             m = h_ok[:, None] & (d < D)[None, :]
             x = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(cache_ptr + (base + K0_OFF + off * K0_G)[:, None] + d[None, :],
+            tl.store(_tl.row_ptr(cache_ptr, base, off, K0_OFF, K0_G, K0_CM)
+                     + (d[None, :] * BS if K0_CM else d[None, :]),
                      _fp8_e4m3(x).to(tl.uint8), mask=m)
         else:
             _encode_unit(k_ptr, k_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP, BK,
-                         HB, TF32X3, BS, KN_OFF, HAS_K1, K0_OFF, K0_BITS, K0_W, K0_G, K0_GP,
-                         K0_CPW, K0_START, K0_COUNT, K0_BND, K1_OFF, K1_BITS, K1_W, K1_G, K1_GP, K1_CPW,
-                         K1_START, K1_COUNT, K1_BND)
+                         HB, TF32X3, BS, KN_OFF, K_CORR == 1, HAS_K1, K0_OFF, K0_BITS, K0_W,
+                         K0_G, K0_GP, K0_CPW, K0_START, K0_COUNT, K0_LUT, K0_BND, K0_CM,
+                         K1_OFF,
+                         K1_BITS, K1_W, K1_G, K1_GP, K1_CPW, K1_START, K1_COUNT, K1_LUT, K1_BND,
+                         K1_CM)
 
         if V_TQ:
             _encode_unit(v_ptr, v_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP, BK,
-                         HB, TF32X3, BS, VN_OFF, HAS_V1, V0_OFF, V0_BITS, V0_W, V0_G, V0_GP,
-                         V0_CPW, V0_START, V0_COUNT, V0_BND, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW,
-                         V1_START, V1_COUNT, V1_BND)
+                         HB, TF32X3, BS, VN_OFF, V_CORR == 1, HAS_V1, V0_OFF, V0_BITS, V0_W,
+                         V0_G, V0_GP, V0_CPW, V0_START, V0_COUNT, V0_LUT, V0_BND, V0_CM,
+                         V1_OFF,
+                         V1_BITS, V1_W, V1_G, V1_GP, V1_CPW, V1_START, V1_COUNT, V1_LUT, V1_BND,
+                         V1_CM)
         else:
             bad, v, m = _row_stats(v_ptr, v_rows, h_ok, D, V0_GP * V0_CPW)
             vmin = tl.min(tl.where(m, v, float("inf")), axis=1)
@@ -211,7 +241,7 @@ def _store_kernel(
             qv = tl.floor(tl.math.div_rn(v - vmin[:, None], scale[:, None]) + 0.5)
             qv = tl.minimum(tl.maximum(qv, 0.0), V_LEVELS * 1.0).to(tl.int32)
             _store_codes(qv, cache_ptr, base, off, h_ok, HB, BS, V0_OFF, V0_BITS, V0_W, V0_G,
-                         V0_GP, V0_CPW)
+                         V0_GP, V0_CPW, V0_CM)
             _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), scale), h_ok, VS_OFF)
             _tl.store_fp16(cache_ptr, base, off, vmin, h_ok, VZ_OFF)
         if PAD_N > 0:

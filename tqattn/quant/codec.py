@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import torch
 
@@ -135,6 +136,7 @@ class TQCodec:
         if p.value.codec == "tq":
             self.values = _ScalarCodes(self.layout, "v_idx", p.value.bits, d, p.codebook,
                                        p.value.correction, self.device)
+        self._folded = None
         self.qjl_matrix = None
         if p.key.qjl:
             gen = torch.Generator().manual_seed(seed + QJL_SEED_OFFSET)
@@ -165,22 +167,40 @@ class TQCodec:
 
     # ---- encode ----------------------------------------------------------------------------------
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, *, on_nonfinite: str = "raise") -> torch.Tensor:
-        """K, V (..., D) → uint8 slots (..., slot_bytes)."""
+    def encode(self, k: torch.Tensor, v: torch.Tensor, *, on_nonfinite: str = "raise",
+               fold_nc: bool = False) -> torch.Tensor:
+        """K, V (..., D) → uint8 slots (..., slot_bytes).
+
+        ``fold_nc``: store ``n / ‖ĉ‖`` as the norm of "nc" fields (the paged cache's form, read
+        back by :meth:`folded`); the default stores ``n`` as vLLM does."""
         self._check(k, "key", on_nonfinite)
         self._check(v, "value", on_nonfinite)
         if k.shape != v.shape:
             raise ValueError(f"key shape {tuple(k.shape)} != value shape {tuple(v.shape)}")
         slots = torch.zeros(*k.shape[:-1], self.slot_bytes, dtype=torch.uint8, device=k.device)
-        self._encode_keys(k.float(), slots)
-        self._encode_values(v.float(), slots)
+        self._encode_keys(k.float(), slots, fold_nc)
+        self._encode_values(v.float(), slots, fold_nc)
         return slots
+
+    def folded(self) -> "TQCodec":
+        """The codec that reads slots written with ``fold_nc=True``: "nc" corrections become
+        "none" (the stored norm already holds ``n / ‖ĉ‖``); rotation and codebooks are shared."""
+        p = self.preset
+        if "nc" not in (p.key.correction, p.value.correction):
+            return self
+        if self._folded is None:
+            key = replace(p.key, correction="none") if p.key.correction == "nc" else p.key
+            val = replace(p.value, correction="none") if p.value.correction == "nc" else p.value
+            self._folded = TQCodec(replace(p, name=f"{p.name}+folded", key=key, value=val),
+                                   self.head_dim, device=self.device, seed=self.seed)
+        return self._folded
 
     def _put_fp16(self, slots, name, x):
         f = self.layout.field(name)
         slots[..., f.offset:f.offset + 2] = _fp16_bytes(x)
 
-    def _encode_unit(self, x: torch.Tensor, codes: _ScalarCodes, slots, norm_field: str):
+    def _encode_unit(self, x: torch.Tensor, codes: _ScalarCodes, slots, norm_field: str,
+                     fold: bool):
         bad = ~torch.isfinite(x).all(-1)
         x = torch.where(bad[..., None], torch.zeros_like(x), x)
         n = x.norm(dim=-1)
@@ -188,26 +208,32 @@ class TQCodec:
         with full_fp32_matmul():
             y = unit @ self.rotation
         c = codes.encode(y, slots)
-        self._put_fp16(slots, norm_field, torch.where(bad, torch.full_like(n, math.nan), n))
+        if fold and codes.correction == "nc":
+            # fp64: Σĉ² of fp32 centroids is exact up to the last bits, so the store kernel's
+            # fp16 result matches whatever its summation order
+            store = (n.double() / c.double().square().sum(-1).sqrt()).float()
+        else:
+            store = n
+        self._put_fp16(slots, norm_field, torch.where(bad, torch.full_like(n, math.nan), store))
         return unit, c
 
-    def _encode_keys(self, k: torch.Tensor, slots: torch.Tensor) -> None:
+    def _encode_keys(self, k: torch.Tensor, slots: torch.Tensor, fold: bool) -> None:
         if self.preset.key.codec == "fp8":
             f = self.layout.field("k_fp8")
             k = torch.where(torch.isfinite(k), k.clamp(-FP8_MAX, FP8_MAX), math.nan)
             k8 = k.to(torch.float8_e4m3fn)
             slots[..., f.offset:f.offset + f.nbytes] = k8.view(torch.uint8)
             return
-        unit, c = self._encode_unit(k, self.keys, slots, "k_norm")
+        unit, c = self._encode_unit(k, self.keys, slots, "k_norm", fold)
         if self.qjl_matrix is not None:
             r = unit - c @ self.rotation.T
             f = self.layout.field("k_qjl")
             slots[..., f.offset:f.offset + f.nbytes] = pack_bits((r @ self.qjl_matrix.T >= 0).to(torch.uint8), 1)
             self._put_fp16(slots, "k_rnorm", r.norm(dim=-1))
 
-    def _encode_values(self, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def _encode_values(self, v: torch.Tensor, slots: torch.Tensor, fold: bool) -> None:
         if self.values is not None:
-            self._encode_unit(v, self.values, slots, "v_norm")
+            self._encode_unit(v, self.values, slots, "v_norm", fold)
             return
         levels = 2 ** int(self.preset.value.bits) - 1
         bad = ~torch.isfinite(v).all(-1)

@@ -1,0 +1,75 @@
+"""PTX for the decode kernel's code → fp16 conversions (``tl.inline_asm_elementwise``, pack=1).
+
+Each block takes 32-bit words holding one byte of 4 elements (element e in byte e — 4 tokens of
+a column-major key plane, or 4 byte positions of a token row) and writes fp16 pairs, with no
+per-element shifts, integer→float conversions or memory lookups:
+
+* :func:`lut3` — 3-bit codes through an 8-entry fp16 table (key or value centroids, or the
+  uniform codes 0..7). Inputs ``$16..$18``: the words of the three byte sub-planes of 3-byte
+  code words (page bit order of ``tqattn.quant.paged``); outputs ``$0..$15``: code position j
+  of elements (0, 1) in ``$2j`` and of elements (2, 3) in ``$2j+1``. ``byte & 0x77`` gives two
+  3-bit selectors in nibbles; codes 6 and 7 gather bits 3 and 7 of the three bytes. ``prmt``
+  looks each selector up in the low-byte and high-byte halves of the table, held in registers
+  (immediates of the asm text: one text per table), and a second pair of ``prmt`` interleaves
+  low and high bytes into fp16 pairs.
+* :data:`U4_VALUES` — 4-bit uniform value codes (two per byte) of 4 bytes → low nibbles of
+  bytes (0, 1) in ``$0``, (2, 3) in ``$1``, high nibbles in ``$2``, ``$3``: ``0x6400 | n`` is
+  the fp16 1024 + n and ``0x6400 | 16n`` is 1024 + 16n, both exact.
+
+The PyTorch twins are the generic paths of the decode kernel (the interpreter's), which the
+tests compare against the reference on CPU and, with and without these blocks, on the GPU.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import triton.language as tl
+
+
+def _pairs(lo: str, hi: str, out_a: str, out_b: str, sel: str) -> str:
+    # lo/hi: byte lookups of nibble selectors [a(e), b(e), a(e+1), b(e+1)] → pairs a, b
+    return (f"prmt.b32 {lo}, tl0, tl1, {sel};\n"
+            f"prmt.b32 {hi}, th0, th1, {sel};\n"
+            f"prmt.b32 {out_a}, {lo}, {hi}, 0x6240;\n"
+            f"prmt.b32 {out_b}, {lo}, {hi}, 0x7351;\n")
+
+
+def lut3(centroids) -> str:
+    """Asm text for a 3-bit codebook (8 floats, rounded to fp16 as the generic path does)."""
+    vals = [struct.unpack("<H", struct.pack("<e", float(c)))[0] for c in centroids]
+    if len(vals) != 8:
+        raise ValueError(f"a 3-bit codebook has 8 centroids, got {len(vals)}")
+    lo = [v & 0xFF for v in vals]
+    hi = [v >> 8 for v in vals]
+    word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
+    text = ("{\n.reg .b32 tl0, tl1, th0, th1, s, t, l, h;\n"
+            f"mov.b32 tl0, {word(lo[:4]):#010x};\nmov.b32 tl1, {word(lo[4:]):#010x};\n"
+            f"mov.b32 th0, {word(hi[:4]):#010x};\nmov.b32 th1, {word(hi[4:]):#010x};\n")
+    # selector words: codes (0,1) from byte 0, (2,3) from byte 1, (4,5) from byte 2, (6,7)
+    # from bits 3 and 7 of the three bytes
+    for j, src in enumerate(("$16", "$17", "$18")):
+        text += f"and.b32 s, {src}, 0x77777777;\n"
+        text += _pairs("l", "h", f"${4 * j}", f"${4 * j + 2}", "s")
+        text += "shr.b32 t, s, 16;\n"
+        text += _pairs("l", "h", f"${4 * j + 1}", f"${4 * j + 3}", "t")
+    text += ("shr.b32 s, $16, 3;\nand.b32 s, s, 0x11111111;\n"
+             "shr.b32 t, $17, 2;\nand.b32 t, t, 0x22222222;\nor.b32 s, s, t;\n"
+             "shr.b32 t, $18, 1;\nand.b32 t, t, 0x44444444;\nor.b32 s, s, t;\n")
+    text += _pairs("l", "h", "$12", "$14", "s")
+    text += "shr.b32 t, s, 16;\n"
+    text += _pairs("l", "h", "$13", "$15", "t")
+    return text + "}"
+
+
+U4_VALUES = tl.constexpr(
+    "{\n.reg .b32 x, y, t, k, m, c;\n"
+    "mov.b32 k, 0x64006400;\n"            # fp16 pair (1024, 1024)
+    "mov.b32 m, 0x2C002C00;\n"            # (1/16, 1/16)
+    "mov.b32 c, 0xD400D400;\n"            # (-64, -64)
+    "prmt.b32 x, $4, 0, 0x4140;\n"        # [byte0, 0, byte1, 0]: elements 0, 1
+    "prmt.b32 y, $4, 0, 0x4342;\n"        # elements 2, 3
+    "lop3.b32 t, x, 0x000F000F, k, 0xEA;\nsub.f16x2 $0, t, k;\n"    # (x & m) | k
+    "lop3.b32 t, y, 0x000F000F, k, 0xEA;\nsub.f16x2 $1, t, k;\n"
+    "lop3.b32 t, x, 0x00F000F0, k, 0xEA;\nfma.rn.f16x2 $2, t, m, c;\n"  # (1024+16n)/16-64
+    "lop3.b32 t, y, 0x00F000F0, k, 0xEA;\nfma.rn.f16x2 $3, t, m, c;\n}")

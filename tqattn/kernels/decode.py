@@ -4,10 +4,10 @@ Math = :func:`tqattn.quant.paged.decode_attention_ref`. One program per (sequenc
 split, row block): all query heads of the KV group (and, for multi-row calls, several rows) form
 the ``BLOCK_M`` rows of the ``tl.dot`` calls, so each compressed byte is read once per group.
 The query is rotated once on the host side (one fp32 GEMM) and scored against centroid tiles in
-the rotated basis: ``score_j = scale · n_j · ⟨q R, ĉ_j⟩ / ‖ĉ_j‖`` (nc) — the per-token factor
-scales the score column, never K. Uniform values enter as their codes
-(``p·v = (p·scale) @ codes + p·zero``); rotated ("tq") values as centroids with ``p`` scaled by
-``n/‖ĉ‖`` — accumulated in the rotated basis and un-rotated once after the merge.
+the rotated basis: ``score_j = scale · n_j · ⟨q R, ĉ_j⟩`` (pages store "nc" norms folded,
+n/‖ĉ‖) — the per-token factor scales the score column, never K. Uniform values enter as their
+codes (``p·v = (p·scale) @ codes + p·zero``); rotated ("tq") values as centroids with ``p``
+scaled by ``n/‖ĉ‖`` — accumulated in the rotated basis and un-rotated once after the merge.
 
 Inner loop: a packed word holds CPW codes (8 for 3-bit, 2 for 4-bit); code i of every word
 forms its own ``[BLOCK_N, G]`` tile and its own ``tl.dot`` with the matching query columns
@@ -17,11 +17,13 @@ coordinate order. The raw bytes of tile t+1 are loaded into registers while tile
 merges them. The grid depends only on the batch size (and ``max_query_len``); the tiles each
 split walks come from ``seq_lens`` on the device: CUDA-graph safe, no host sync.
 
-Status (H200, bench/results/decode_h200_s3.md): correct for every preset, but not yet faster
-than bf16 FA3 except fp8 keys (turboquant_k3v4_nc 1.26–1.44× FA3's time, tq_k4v3 4–6×). The
-loop is bound by per-element integer work (≈70 warp instructions per token for k3v4_nc: byte
-unpacking, centroid gathers, shared-memory layout conversions for the dot operands) at 255
-registers per thread, not by HBM; see bench/results/decode_notes.md.
+Code → fp16 conversion: 3-bit codes (keys, tq or uniform values) and 4-bit uniform values go
+through inline-asm register ``prmt`` tables (kernels/_asm.py) fed by int32 word loads; other
+widths through byte loads, shifts and centroid gathers (also the interpreter's path).
+
+Status (H200, bench/results/decode_tune_s4_h200.md): turboquant_k3v4_nc ≈ 1.0× FA3's time
+(0.99–1.06×), tq_k4v3 1.25–1.6×: latency-bound at 8 resident warps per SM (235–255
+registers), ~20–25 % of the copy bandwidth; see bench/results/decode_notes.md.
 """
 
 from __future__ import annotations
@@ -431,28 +433,29 @@ def _decode_split_kernel(
         ar = tl.arange(0, BLOCK_N)
 
         # software pipeline: the bytes of tile t+1 are in flight while tile t is computed
-        tok = start + t0 * BLOCK_N + ar
         ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3 = _load_tile(
-            cache_ptr, bt_row, start + t0 * BLOCK_N, tl.where(t0 < t1, range_hi, 0), sc_b, kvh_off, BS,
-            BLOCK_N, K0_ASM, K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1,
-            K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF, VZ_OFF,
-            HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
+            cache_ptr, bt_row, start + t0 * BLOCK_N, tl.where(t0 < t1, range_hi, 0), sc_b,
+            kvh_off, BS, BLOCK_N, K0_ASM, K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1,
+            K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF,
+            VS_OFF, VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP,
+            V1_CM)
         for t in range(t0, t1):
             tok = start + t * BLOCK_N + ar
             ok = tok < range_hi
             if PREFETCH:
                 (ka_n, kb_n, kc_n, kd_n, ke_n, kf_n, va_n, vb_n, vc_n, vd_n, ve_n, vf_n, n1_n,
                  n2_n, n3_n) = _load_tile(
-                    cache_ptr, bt_row, start + (t + 1) * BLOCK_N, tl.where(t + 1 < t1, range_hi, 0), sc_b,
-                    kvh_off, BS, BLOCK_N, K0_ASM, K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1,
-                    K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF,
-                    VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
+                    cache_ptr, bt_row, start + (t + 1) * BLOCK_N,
+                    tl.where(t + 1 < t1, range_hi, 0), sc_b, kvh_off, BS, BLOCK_N, K0_ASM, K1_ASM,
+                    V_ASM, K_FP8, KN_OFF, HAS_K1, K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W,
+                    K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF, VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G,
+                    V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
             elif t > t0:
                 ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3 = _load_tile(
-                    cache_ptr, bt_row, start + t * BLOCK_N, range_hi, sc_b, kvh_off, BS, BLOCK_N, K0_ASM,
-                    K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1,
-                    K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF,
-                    VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
+                    cache_ptr, bt_row, start + t * BLOCK_N, range_hi, sc_b, kvh_off, BS, BLOCK_N,
+                    K0_ASM, K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1, K0_OFF, K0_W, K0_G, K0_GP, K0_CM,
+                    K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF, VZ_OFF, HAS_V1, V0_OFF,
+                    V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
 
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             if K0_ASM:

@@ -1,8 +1,8 @@
 """Store kernel: quantize new K/V and write them into the paged TurboQuant cache (Triton).
 
 Math = :func:`tqattn.quant.paged.store_ref` (= ``TQCodec.encode`` with ``on_nonfinite=
-"propagate", fold_nc=True)`` + the page layout). One program per ``HB`` consecutive (token, KV head) rows of
-the step's flattened ``N·Hk`` rows, one launch per layer per step, no host sync. The rotation
+"propagate", fold_nc=True)`` + the page layout). One program per ``HB`` consecutive (token, KV
+head) rows of the step's flattened ``N·Hk`` rows, one launch per layer per step, no host sync. The rotation
 is an fp32-accurate ``tl.dot`` inside the kernel (K-chunked): on the GPU three TF32 tensor-core
 dots on a hi/lo split of both operands ("tf32x3", ~2^-22 relative error); IEEE fp32 dots on the
 FMA units under the interpreter. Division and square root use IEEE rounding, so codes match the

@@ -152,25 +152,24 @@ def _quad_tile(p01, p23):
 
 
 @triton.jit
-def _key_field_lut3(w0, w1, w2, q0, q1, q2, q3, q4, q5, q6, q7, s, KASM: tl.constexpr,
-                    CHAINS: tl.constexpr):
+def _key_field_lut3(w0, w1, w2, q0, q1, q2, q3, q4, q5, q6, q7, s, KASM: tl.constexpr):
     """3-bit centroid keys straight from the page words: int32 [GP, BLOCK_N/4] of each byte
     sub-plane (4 consecutive tokens of one byte position per word, column-major planes). One
     inline-asm block per word triple turns them into the 32 centroids as fp16 pairs with
     register ``prmt`` table lookups (asm text: kernels/_asm.py)."""
     o = tl.inline_asm_elementwise(KASM, "=r," * 16 + "r,r,r", [w0, w1, w2], (tl.int32,) * 16,
                                   is_pure=True, pack=1)
-    # CHAINS = 2: two independent accumulation chains (more tensor-core work in flight)
-    s2 = tl.zeros_like(s) if CHAINS == 2 else s
+    # two independent accumulation chains: more tensor-core work in flight per warp
+    s2 = tl.zeros_like(s)
     s = tl.dot(q0, _quad_tile(o[0], o[1]), s)
-    s2 = tl.dot(q1, _quad_tile(o[2], o[3]), s2 if CHAINS == 2 else s)
-    s = tl.dot(q2, _quad_tile(o[4], o[5]), s if CHAINS == 2 else s2)
-    s2 = tl.dot(q3, _quad_tile(o[6], o[7]), s2 if CHAINS == 2 else s)
-    s = tl.dot(q4, _quad_tile(o[8], o[9]), s if CHAINS == 2 else s2)
-    s2 = tl.dot(q5, _quad_tile(o[10], o[11]), s2 if CHAINS == 2 else s)
-    s = tl.dot(q6, _quad_tile(o[12], o[13]), s if CHAINS == 2 else s2)
-    s2 = tl.dot(q7, _quad_tile(o[14], o[15]), s2 if CHAINS == 2 else s)
-    return s + s2 if CHAINS == 2 else s2
+    s2 = tl.dot(q1, _quad_tile(o[2], o[3]), s2)
+    s = tl.dot(q2, _quad_tile(o[4], o[5]), s)
+    s2 = tl.dot(q3, _quad_tile(o[6], o[7]), s2)
+    s = tl.dot(q4, _quad_tile(o[8], o[9]), s)
+    s2 = tl.dot(q5, _quad_tile(o[10], o[11]), s2)
+    s = tl.dot(q6, _quad_tile(o[12], o[13]), s)
+    s2 = tl.dot(q7, _quad_tile(o[14], o[15]), s2)
+    return s + s2
 
 
 @triton.jit
@@ -347,7 +346,7 @@ def _decode_split_kernel(
         HAS_QSL: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HK: tl.constexpr,
         K0_ASM: tl.constexpr, K0_KASM: tl.constexpr, K1_ASM: tl.constexpr, K1_KASM: tl.constexpr,
-        V_ASM: tl.constexpr, V_VASM: tl.constexpr, QK_CHAINS: tl.constexpr,
+        V_ASM: tl.constexpr, V_VASM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS, PREFETCH: tl.constexpr,
         FP8_NATIVE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
@@ -460,7 +459,7 @@ def _decode_split_kernel(
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             if K0_ASM:
                 s = _key_field_lut3(ka, kb, kc, qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7, s,
-                                    K0_KASM, QK_CHAINS)
+                                    K0_KASM)
             else:
                 s = _key_field(_words(ka, kb, kc, K0_W), qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7,
                                s, lut_ptr, ok[:, None] & gk0, K_FP8, FP8_NATIVE, K0_BITS,
@@ -468,7 +467,7 @@ def _decode_split_kernel(
             if HAS_K1:
                 if K1_ASM:
                     s = _key_field_lut3(kd, ke, kf, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, s,
-                                        K1_KASM, QK_CHAINS)
+                                        K1_KASM)
                 else:
                     s = _key_field(_words(kd, ke, kf, K1_W), qb0, qb1, qb2, qb3, qb4, qb5, qb6,
                                    qb7, s, lut_ptr, ok[:, None] & gk1, K_FP8, FP8_NATIVE,
@@ -592,7 +591,7 @@ def _num_sms(device) -> int:
 # (_block_n). Triton's own pipelining (num_stages > 1) routes the centroid gathers through
 # shared memory and is 3-4x slower.
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
-            "PREFETCH": True, "maxnreg": None, "ASM": True, "QK_CHAINS": 2}
+            "PREFETCH": True, "maxnreg": None, "ASM": True}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -706,7 +705,7 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
         HAS_QSL=query_start_loc is not None, HAS_QPOS=query_pos_start is not None,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), GROUP=group, HK=hk,
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
-        PREFETCH=cfg["PREFETCH"], QK_CHAINS=cfg["QK_CHAINS"], **asm,
+        PREFETCH=cfg["PREFETCH"], **asm,
         FP8_NATIVE=not interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}), **spec.meta)
 

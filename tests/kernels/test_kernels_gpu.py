@@ -90,6 +90,21 @@ def test_decode_without_asm_gpu(name):
     _decode_case(name, 128, 8, 4, 16, [1, 700, 4100, 2000], tune={"ASM": False})
 
 
+def test_decode_mma_path_gpu():
+    """k3v4_nc at head size 128 runs the Gluon tensor-core kernel (kernels/decode_mma.py) by
+    default; the Triton kernel's inline-asm path stays covered with MMA off."""
+    from tqattn.kernels import decode_mma
+    from tqattn.kernels._spec import kernel_spec
+    q = torch.zeros(1, 8, 128, device=DEV)
+    spec = kernel_spec(_codec("turboquant_k3v4_nc", 128), 16)
+    assert decode_mma.supported(spec, q, 8, True)
+    assert not decode_mma.supported(spec, q, 8, False)
+    assert not decode_mma.supported(kernel_spec(_codec("turboquant_k8v4", 128), 16), q, 8, True)
+    _decode_case("turboquant_k3v4_nc", 128, 8, 4, 16, [1, 700, 4100, 2000], tune={"MMA": False})
+    for bs in (16, 32, 64):
+        _decode_case("turboquant_k3v4_nc", 128, 2, 7, bs, [63, 64, 65, 129, 5000, 1])
+
+
 @pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3"])
 def test_decode_long_split_gpu(name):
     """One split over 32K tokens: the accumulator sums 32K products, where a cancelling
@@ -101,8 +116,10 @@ def test_decode_long_split_gpu(name):
     q = torch.randn(2, 8, 128, device=DEV, dtype=torch.bfloat16)
     ref = paged.decode_attention_ref(codec, q, cache, bt, seq_lens)
     for splits in (1, 7):
-        out = decode_attention_triton(codec, q, cache, bt, seq_lens, num_splits=splits)
-        assert rel_err(out, ref) < 1e-2, splits
+        for mma in (True, False):
+            out = decode_attention_triton(codec, q, cache, bt, seq_lens, num_splits=splits,
+                                          MMA=mma)
+            assert rel_err(out, ref) < 1e-2, (splits, mma)
 
 
 @pytest.mark.parametrize("d", [64, 80, 96, 192, 256])
@@ -117,7 +134,7 @@ def test_decode_gqa_blocks_gpu(group, bs, dtype):
     _decode_case("turboquant_k3v4_nc", 128, 4, group, bs, [900, 3000, 17], dtype=dtype)
 
 
-@pytest.mark.parametrize("name", ["turboquant_4bit_nc", "tq_k4v4"])
+@pytest.mark.parametrize("name", ["turboquant_4bit_nc", "tq_k4v4", "turboquant_k3v4_nc"])
 def test_decode_options_gpu(name):
     _decode_case(name, 128, 8, 4, 16, [2000, 300], window=256, softcap=20.0)
     _decode_case(name, 128, 8, 4, 16, [2000, 300, 50], rows=[5, 17, 3])

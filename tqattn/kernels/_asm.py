@@ -73,3 +73,51 @@ U4_VALUES = tl.constexpr(
     "lop3.b32 t, y, 0x000F000F, k, 0xEA;\nsub.f16x2 $1, t, k;\n"
     "lop3.b32 t, x, 0x00F000F0, k, 0xEA;\nfma.rn.f16x2 $2, t, m, c;\n"  # (1024+16n)/16-64
     "lop3.b32 t, y, 0x00F000F0, k, 0xEA;\nfma.rn.f16x2 $3, t, m, c;\n}")
+
+
+# --- token-row pairs for the tensor-core operands of kernels/decode_mma.py -------------------
+# mma operands hold fp16 pairs along the reduction axis: dimensions (2c, 2c+1) of one token for
+# Q·Kᵀ, tokens (τ, τ+8) of one dimension for P·V. The blocks below emit those pairs directly.
+
+def lut3_rows(centroids) -> str:
+    """Like :func:`lut3` (same inputs: the three byte sub-planes of 4 tokens), but output
+    ``$(e + 4p)`` holds codes (2p, 2p+1) of token e as an fp16 pair (p = 3: codes 6, 7)."""
+    vals = [struct.unpack("<H", struct.pack("<e", float(c)))[0] for c in centroids]
+    if len(vals) != 8:
+        raise ValueError(f"a 3-bit codebook has 8 centroids, got {len(vals)}")
+    lo = [v & 0xFF for v in vals]
+    hi = [v >> 8 for v in vals]
+    word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
+    text = ("{\n.reg .b32 tl0, tl1, th0, th1, s, t, l, h;\n"
+            f"mov.b32 tl0, {word(lo[:4]):#010x};\nmov.b32 tl1, {word(lo[4:]):#010x};\n"
+            f"mov.b32 th0, {word(hi[:4]):#010x};\nmov.b32 th1, {word(hi[4:]):#010x};\n")
+
+    def rows(sel: str, e: int, p: int) -> str:
+        # bytes [lo a(e), lo b(e), lo a(e+1), lo b(e+1)] → (a, b) of token e, then of e+1
+        return (f"prmt.b32 l, tl0, tl1, {sel};\nprmt.b32 h, th0, th1, {sel};\n"
+                f"prmt.b32 ${e + 4 * p}, l, h, 0x5140;\nprmt.b32 ${e + 1 + 4 * p}, l, h, 0x7362;\n")
+
+    for p, src in enumerate(("$16", "$17", "$18")):
+        text += f"and.b32 s, {src}, 0x77777777;\n" + rows("s", 0, p)
+        text += "shr.b32 t, s, 16;\n" + rows("t", 2, p)
+    text += ("shr.b32 s, $16, 3;\nand.b32 s, s, 0x11111111;\n"
+             "shr.b32 t, $17, 2;\nand.b32 t, t, 0x22222222;\nor.b32 s, s, t;\n"
+             "shr.b32 t, $18, 1;\nand.b32 t, t, 0x44444444;\nor.b32 s, s, t;\n")
+    text += rows("s", 0, 3) + "shr.b32 t, s, 16;\n" + rows("t", 2, 3)
+    return text + "}"
+
+
+def _u4_pair_text() -> str:
+    text = ("{\n.reg .b32 x, t, k, m, c;\nmov.b32 k, 0x64006400;\n"
+            "mov.b32 m, 0x2C002C00;\nmov.b32 c, 0xD400D400;\n")
+    for b in range(4):
+        sel = b | b << 4 | (4 + b) << 8 | (4 + b) << 12     # [A byte b, -, B byte b, -]
+        text += (f"prmt.b32 x, $8, $9, {sel:#06x};\n"
+                 f"lop3.b32 t, x, 0x000F000F, k, 0xEA;\nsub.f16x2 ${2 * b}, t, k;\n"
+                 f"lop3.b32 t, x, 0x00F000F0, k, 0xEA;\nfma.rn.f16x2 ${2 * b + 1}, t, m, c;\n")
+    return text + "}"
+
+
+# 4-bit uniform codes of two token rows (words A = $8, B = $9: 8 codes each, two per byte) →
+# ``$(2b + h)``: the (A, B) pair of the low (h = 0) / high (h = 1) nibble of byte b.
+U4_PAIRS = tl.constexpr(_u4_pair_text())

@@ -35,6 +35,11 @@ import triton.language as tl
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
 from . import _asm, _tl
+
+try:  # Gluon (triton.experimental) tensor-core path; optional
+    from . import decode_mma
+except ImportError:  # pragma: no cover - older triton without Gluon
+    decode_mma = None
 from ._spec import default_scale, kernel_spec, next_pow2
 
 @triton.jit
@@ -591,7 +596,8 @@ def _num_sms(device) -> int:
 # (_block_n). Triton's own pipelining (num_stages > 1) routes the centroid gathers through
 # shared memory and is 3-4x slower.
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
-            "PREFETCH": True, "maxnreg": None, "ASM": True}
+            "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
+            "mma_target_programs": 16}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -680,9 +686,13 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     max_query_len = max(1, int(max_query_len))
     block_m = max(16, min(64, next_pow2(max_query_len * group)))
     row_blocks = triton.cdiv(max_query_len * group, block_m)
+    plain = query_start_loc is None and query_pos_start is None and not window and not softcap
+    mma = (cfg["MMA"] and cfg["ASM"] and decode_mma is not None
+           and decode_mma.supported(spec, q, group, plain))
     if num_splits is None:
-        want = cfg["target_programs"] * _num_sms(q.device)
-        num_splits = max(1, min(64, triton.cdiv(want, batch * hk * row_blocks)))
+        target = cfg["mma_target_programs" if mma else "target_programs"]
+        num_splits = max(1, min(64, triton.cdiv(target * _num_sms(q.device),
+                                                batch * hk * row_blocks)))
     lut, rot = spec.tables_on(q.device)
 
     if spec.meta["K_FP8"]:
@@ -696,18 +706,23 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     qpos = query_pos_start if query_pos_start is not None else dummy
     grid = (batch * hk, num_splits, row_blocks)
     interp = q.device.type != "cuda"
-    _decode_split_kernel[grid](
-        qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
-        block_table, block_table.stride(0), seq_lens, qsl, qpos, lut,
-        part, part.stride(0), part.stride(1), part.stride(2), plse, plse.stride(0), plse.stride(1),
-        default_scale(codec, scale), float(softcap or 0.0), int(window or 0),
-        spec.kfac, spec.vfac,
-        HAS_QSL=query_start_loc is not None, HAS_QPOS=query_pos_start is not None,
-        HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), GROUP=group, HK=hk,
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
-        PREFETCH=cfg["PREFETCH"], **asm,
-        FP8_NATIVE=not interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}), **spec.meta)
+    if mma:
+        decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse,
+                          default_scale(codec, scale), group, num_splits)
+    else:
+        _decode_split_kernel[grid](
+            qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+            block_table, block_table.stride(0), seq_lens, qsl, qpos, lut,
+            part, part.stride(0), part.stride(1), part.stride(2), plse, plse.stride(0),
+            plse.stride(1),
+            default_scale(codec, scale), float(softcap or 0.0), int(window or 0),
+            spec.kfac, spec.vfac,
+            HAS_QSL=query_start_loc is not None, HAS_QPOS=query_pos_start is not None,
+            HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), GROUP=group, HK=hk,
+            BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
+            PREFETCH=cfg["PREFETCH"], **asm,
+            FP8_NATIVE=not interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}), **spec.meta)
 
     v_rot = spec.meta["V_TQ"]
     if out is None:

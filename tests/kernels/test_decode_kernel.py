@@ -88,3 +88,16 @@ def test_rejects_bad_shapes():
                                 torch.zeros(1, 2, 16 * TQCodec("tq_k3v4_qjl", 64).slot_bytes,
                                             dtype=torch.uint8), bt, lens)
     assert math.isfinite(1.0)
+
+
+def test_rotate_query():
+    """The tensor-core decode kernel's query operand (kernels/qrot.py) vs its PyTorch twin."""
+    from tqattn.kernels.qrot import rotate_query, rotate_query_ref
+    q = torch.randn(3, 6, 32, dtype=torch.bfloat16)          # 18 rows: two blocks, one partial
+    r = torch.linalg.qr(torch.randn(32, 32))[0][:, torch.randperm(32)].contiguous()
+    out = rotate_query(q, r, 0.7)
+    ref = rotate_query_ref(q, r, 0.7)
+    assert out.dtype == torch.float16 and out.shape == q.shape
+    assert rel_err(out.float(), ref.float()) < 1e-3
+    with pytest.raises(ValueError, match="rotation must be"):
+        rotate_query(q, r.double(), 1.0)

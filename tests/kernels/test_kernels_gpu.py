@@ -101,8 +101,14 @@ def test_decode_mma_path_gpu():
     assert not decode_mma.supported(spec, q, 8, False)
     assert not decode_mma.supported(kernel_spec(_codec("turboquant_k8v4", 128), 16), q, 8, True)
     _decode_case("turboquant_k3v4_nc", 128, 8, 4, 16, [1, 700, 4100, 2000], tune={"MMA": False})
+    from tqattn.kernels.qrot import rotate_query, rotate_query_ref
+    qq = torch.randn(64, 32, 128, device=DEV, dtype=torch.bfloat16)
+    r = spec.codec.rotation.float()
+    assert rel_err(rotate_query(qq, r, 0.3).float(), rotate_query_ref(qq, r, 0.3).float()) < 1e-3
     for bs in (16, 32, 64):
         _decode_case("turboquant_k3v4_nc", 128, 2, 7, bs, [63, 64, 65, 129, 5000, 1])
+    _decode_case("turboquant_k3v4_nc", 128, 2, 3, 16, [63, 64, 65, 129, 5000, 1],
+                 tune={"mma_prefetch": False})
 
 
 @pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3"])

@@ -79,22 +79,28 @@ U4_VALUES = tl.constexpr(
 # mma operands hold fp16 pairs along the reduction axis: dimensions (2c, 2c+1) of one token for
 # Q·Kᵀ, tokens (τ, τ+8) of one dimension for P·V. The blocks below emit those pairs directly.
 
-def lut3_rows(centroids) -> str:
-    """Like :func:`lut3` (same inputs: the three byte sub-planes of 4 tokens), but output
-    ``$(e + 4p)`` holds codes (2p, 2p+1) of token e as an fp16 pair (p = 3: codes 6, 7)."""
+def lut3_table_words(centroids) -> list[int]:
+    """The 8 fp16 centroids as the 4 table words of :data:`LUT3_ROWS` (low bytes of codes 0-3,
+    4-7, then high bytes), as signed int32."""
     vals = [struct.unpack("<H", struct.pack("<e", float(c)))[0] for c in centroids]
     if len(vals) != 8:
         raise ValueError(f"a 3-bit codebook has 8 centroids, got {len(vals)}")
-    lo = [v & 0xFF for v in vals]
-    hi = [v >> 8 for v in vals]
-    word = lambda b: b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24  # noqa: E731
-    text = ("{\n.reg .b32 tl0, tl1, th0, th1, s, t, l, h;\n"
-            f"mov.b32 tl0, {word(lo[:4]):#010x};\nmov.b32 tl1, {word(lo[4:]):#010x};\n"
-            f"mov.b32 th0, {word(hi[:4]):#010x};\nmov.b32 th1, {word(hi[4:]):#010x};\n")
+    out = []
+    for part in ([v & 0xFF for v in vals[:4]], [v & 0xFF for v in vals[4:]],
+                 [v >> 8 for v in vals[:4]], [v >> 8 for v in vals[4:]]):
+        w = part[0] | part[1] << 8 | part[2] << 16 | part[3] << 24
+        out.append(w - (1 << 32) if w >= 1 << 31 else w)
+    return out
+
+
+def _lut3_rows_text() -> str:
+    # inputs: $16..$18 the three byte sub-planes of 4 tokens, $19..$22 the table words (passed
+    # in registers: as immediates ptxas re-materialises them before every prmt)
+    text = "{\n.reg .b32 s, t, l, h;\n"
 
     def rows(sel: str, e: int, p: int) -> str:
         # bytes [lo a(e), lo b(e), lo a(e+1), lo b(e+1)] → (a, b) of token e, then of e+1
-        return (f"prmt.b32 l, tl0, tl1, {sel};\nprmt.b32 h, th0, th1, {sel};\n"
+        return (f"prmt.b32 l, $19, $20, {sel};\nprmt.b32 h, $21, $22, {sel};\n"
                 f"prmt.b32 ${e + 4 * p}, l, h, 0x5140;\nprmt.b32 ${e + 1 + 4 * p}, l, h, 0x7362;\n")
 
     for p, src in enumerate(("$16", "$17", "$18")):
@@ -105,6 +111,12 @@ def lut3_rows(centroids) -> str:
              "shr.b32 t, $18, 1;\nand.b32 t, t, 0x44444444;\nor.b32 s, s, t;\n")
     text += rows("s", 0, 3) + "shr.b32 t, s, 16;\n" + rows("t", 2, 3)
     return text + "}"
+
+
+# Like :func:`lut3` (inputs ``$16..$18``: the three byte sub-planes of 4 tokens), with the
+# table in ``$19..$22`` (:func:`lut3_table_words`); output ``$(e + 4p)`` holds codes
+# (2p, 2p+1) of token e as an fp16 pair (p = 3: codes 6, 7).
+LUT3_ROWS = tl.constexpr(_lut3_rows_text())
 
 
 def _u4_pair_text() -> str:

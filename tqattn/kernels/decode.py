@@ -21,9 +21,11 @@ Code → fp16 conversion: 3-bit codes (keys, tq or uniform values) and 4-bit uni
 through inline-asm register ``prmt`` tables (kernels/_asm.py) fed by int32 word loads; other
 widths through byte loads, shifts and centroid gathers (also the interpreter's path).
 
-Status (H200, bench/results/decode_tune_s4_h200.md): turboquant_k3v4_nc ≈ 1.0× FA3's time
-(0.99–1.06×), tq_k4v3 1.25–1.6×: latency-bound at 8 resident warps per SM (235–255
-registers), ~20–25 % of the copy bandwidth; see bench/results/decode_notes.md.
+Dispatch: 3-bit centroid keys + 4-bit uniform values at head size 128, one row per sequence,
+no window / soft-cap (``turboquant_k3v4_nc``) go to the Gluon tensor-core kernel
+(kernels/decode_mma.py: 0.32-0.48x FA3's time at >= 16K, bench/results/decode_h200_s5.md);
+everything else runs this kernel, which stays latency-bound (turboquant_k3v4_nc here ≈ 1.0x
+FA3, tq_k4v3 1.2-1.8x, ~20-50 % of the copy bandwidth; bench/results/decode_notes.md).
 """
 
 from __future__ import annotations
@@ -597,7 +599,7 @@ def _num_sms(device) -> int:
 # shared memory and is 3-4x slower.
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
-            "mma_target_programs": 16}
+            "mma_programs_per_sm": None, "mma_prefetch": None}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -689,16 +691,26 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     plain = query_start_loc is None and query_pos_start is None and not window and not softcap
     mma = (cfg["MMA"] and cfg["ASM"] and decode_mma is not None
            and decode_mma.supported(spec, q, group, plain))
-    if num_splits is None:
-        target = cfg["mma_target_programs" if mma else "target_programs"]
-        num_splits = max(1, min(64, triton.cdiv(target * _num_sms(q.device),
-                                                batch * hk * row_blocks)))
     lut, rot = spec.tables_on(q.device)
-
-    if spec.meta["K_FP8"]:
+    if mma:
+        qk = decode_mma.rotated_query(spec, q, default_scale(codec, scale))
+    elif spec.meta["K_FP8"]:
         qk = q
     else:
         qk = (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
+    prefetch = cfg["mma_prefetch"]
+    if prefetch is None:  # long splits (B·Hk fills the SMs): prefetch pays for its registers
+        prefetch = batch * hk >= _num_sms(q.device)
+    if num_splits is None:
+        if mma:  # one wave of one-warp programs (a partial last wave idles most SMs), one
+            # below the register limit (measured: a full SM ran as if a second wave were needed)
+            per_sm = cfg["mma_programs_per_sm"] or max(1, decode_mma.programs_per_sm(
+                spec, qk, kv_cache, block_table, seq_lens, group, prefetch) - 1)
+            num_splits = max(1, min(64, per_sm * _num_sms(q.device) // (batch * hk)))
+        else:
+            num_splits = max(1, min(64, triton.cdiv(cfg["target_programs"] * _num_sms(q.device),
+                                                    batch * hk * row_blocks)))
+
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
     dummy = seq_lens
@@ -707,8 +719,8 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     grid = (batch * hk, num_splits, row_blocks)
     interp = q.device.type != "cuda"
     if mma:
-        decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse,
-                          default_scale(codec, scale), group, num_splits)
+        decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, group,
+                          num_splits, prefetch)
     else:
         _decode_split_kernel[grid](
             qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),

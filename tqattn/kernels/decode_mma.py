@@ -3,24 +3,34 @@
 Fast path of :func:`tqattn.kernels.decode.decode_attention_triton` for 3-bit centroid keys
 (column-major key planes) with 4-bit uniform values (``turboquant_k3v4_nc``), head size 128,
 GQA groups of up to 8 query heads, one query row per sequence, no window / soft-cap. Math =
-:func:`tqattn.quant.paged.decode_attention_ref`; the split outputs and LSEs it writes are merged
-by the Triton kernel's ``_merge_kernel``.
+:func:`tqattn.quant.paged.decode_attention_ref` (its twin; the inline asm does not run under
+triton's interpreter, so the comparison runs on the GPU: ``pytest -m gpu``). The query comes
+rotated and scaled from kernels/qrot.py; the split outputs and LSEs are merged by the Triton
+kernel's ``_merge_kernel``.
 
 Why a second kernel: the Triton kernel feeds ``tl.dot`` from blocked layouts, so every decoded
 tile makes a round trip through shared memory (plus barriers), and its ``[heads, tokens]`` dots
-pad 4 heads to 16 rows. Here Gluon's explicit layouts let each thread load exactly the code
+pad 4 heads to 16 rows. Here Gluon's explicit layouts let each lane load exactly the code
 words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared memory at all:
 
 * scores are ``Sᵀ[64 tokens, 8 heads] = K·(q·scale)ᵀ`` (m16n8k16: tokens on M, heads on N);
-  the K operand comes from :func:`_asm.lut3_rows` on three column-major page words (4 tokens
+  the K operand comes from :data:`_asm.LUT3_ROWS` on three column-major page words (4 tokens
   × 8 codes); row ρ of a tile is token ``8·(ρ % 8) + ρ // 8`` and operand column κ is rotated
   coordinate ``8·cw + 2p + (κ & 1)`` with ``cw = (κ>>1 & 3) + 4·(κ>>5 & 3)``, ``p = κ>>3 & 3``;
 * ``Oᵀ[128 dims, 8 heads] += Vᵀ·(p·scale)`` with ``Vᵀ`` from :data:`_asm.U4_PAIRS` (pairs of
   tokens τ, τ+8 of one dimension; row ρ of ``Vᵀ`` is dimension ``16·(ρ % 8) + ρ // 8``); the
   zero points enter as ``Σ p·zero``; ``p`` goes from the score layout to the operand layout
-  in registers.
-"""
+  in registers;
+* each lane reads one page per role and tile (tiles of 64 tokens start at page boundaries),
+  the online softmax rescales only when a head's max grows by more than 8 (log2 units), row
+  sums stay per lane until the end, and only the sequence's last partial tile is masked.
 
+Launch: one warp per (sequence, KV head, split); the split count fills one wave of programs at
+one below the resident count that the compiled kernel's registers allow (programs_per_sm);
+with B·Hk ≥ #SMs the words of tile t+1 are loaded while tile t is computed (216 registers,
+9 programs per SM), else not (168, 12 per SM). Measured (H200, bench/results/decode_h200_s5.md):
+0.32-0.48x bf16 FA3's time at >= 16K context, 59-71 % of the copy rate at B·context ≥ 512K.
+"""
 from __future__ import annotations
 
 import torch
@@ -28,24 +38,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from . import _asm
+from . import _asm, qrot
 
 TILE = gl.constexpr(64)
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                               instr_shape=[16, 8]))
 _OP_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
 _OP_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA.value, k_width=2))
-# key words [16 token quads, 16 code words]: lane (g, t) holds quads 2g, 2g+1 of code words
-# t, t+4, t+8, t+12 — the decoded pairs are its K-operand fragments
-_KW = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 4], [0, 8], [1, 0]], lane_bases=[[0, 1], [0, 2], [2, 0], [4, 0], [8, 0]],
-    warp_bases=[], block_bases=[], shape=[16, 16]))
-# value words [16 = 2g + w, 32 = 8t + j]: word w of bytes 8g..8g+7 of token 16t + j (and of
-# token 16t + 8 + j in the second tensor)
-_VW = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[1, 0], [0, 1], [0, 2], [0, 4]],
-    lane_bases=[[0, 8], [0, 16], [2, 0], [4, 0], [8, 0]], warp_bases=[], block_bases=[], shape=[16, 32]))
-_QL = gl.constexpr(gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0]))
 _LANE = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 _ROWS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
 _HEADS = gl.constexpr(gl.SliceLayout(0, _MMA.value))
@@ -82,32 +81,28 @@ def _lo_hi(x):
 
 
 @gluon.jit
-def _key_words(kb, m: gl.constexpr, BS: gl.constexpr):
-    """The three sub-plane words of code word t + 4m, tokens 8g..8g+3 and 8g+4..8g+7."""
-    a0, a1 = _lo_hi(gl.load(kb + m * BS // 2))
-    b0, b1 = _lo_hi(gl.load(kb + m * BS // 2 + 2 * BS))
-    c0, c1 = _lo_hi(gl.load(kb + m * BS // 2 + 4 * BS))
-    return a0, b0, c0, a1, b1, c1
+def _lut3(a, b, c, tab):
+    return gl.inline_asm_elementwise(_asm.LUT3_ROWS, "=r," * 16 + "r," * 6 + "r",
+                                     [a, b, c, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 16,
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
-def _key_calls(kb, m: gl.constexpr, BS: gl.constexpr, KASM: gl.constexpr):
-    a0, b0, c0, a1, b1, c1 = _key_words(kb, m, BS)
-    lo = gl.inline_asm_elementwise(KASM, "=r," * 16 + "r,r,r", [a0, b0, c0], (gl.int32,) * 16,
-                                   is_pure=True, pack=1)
-    hi = gl.inline_asm_elementwise(KASM, "=r," * 16 + "r,r,r", [a1, b1, c1], (gl.int32,) * 16,
-                                   is_pure=True, pack=1)
-    return _j16(lo), _j16(hi)
+def _key_calls(kw, m: gl.constexpr, tab):
+    """Code word t + 4m: three sub-plane words (int64: tokens 8g..8g+3 | 8g+4..8g+7)."""
+    a0, a1 = _lo_hi(kw[3 * m])
+    b0, b1 = _lo_hi(kw[3 * m + 1])
+    c0, c1 = _lo_hi(kw[3 * m + 2])
+    return _j16(_lut3(a0, b0, c0, tab)), _j16(_lut3(a1, b1, c1, tab))
 
 
 @gluon.jit
-def _key_operand(kb, BS: gl.constexpr, KASM: gl.constexpr):
-    """K [64 rows, 128 columns] fp16 A operand of the lane's code words (kb: int64 pointer to
-    sub-plane 0 of code word t, tokens 8g..)."""
-    l0, h0 = _key_calls(kb, 0, BS, KASM)
-    l1, h1 = _key_calls(kb, 1, BS, KASM)
-    l2, h2 = _key_calls(kb, 2, BS, KASM)
-    l3, h3 = _key_calls(kb, 3, BS, KASM)
+def _key_operand(kw, tab):
+    """K [64 rows, 128 columns] fp16 A operand from the lane's 12 key words (_load_tile)."""
+    l0, h0 = _key_calls(kw, 0, tab)
+    l1, h1 = _key_calls(kw, 1, tab)
+    l2, h2 = _key_calls(kw, 2, tab)
+    l3, h3 = _key_calls(kw, 3, tab)
     x = gl.join(_j4(l0, l1, l2, l3), _j4(h0, h1, h2, h3))
     # [lane, e0, e1, p0, p1, m0, m1, r7] → halves → [g, t, e0, e1, p0, p1, m0, m1, r7, h]
     x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
@@ -117,23 +112,26 @@ def _key_operand(kb, BS: gl.constexpr, KASM: gl.constexpr):
 
 
 @gluon.jit
-def _value_calls(vb, j: gl.constexpr, VASM: gl.constexpr):
-    a0, a1 = _lo_hi(gl.load(vb + 8 * j))
-    b0, b1 = _lo_hi(gl.load(vb + 8 * j + 64))
-    o0 = gl.inline_asm_elementwise(VASM, "=r," * 8 + "r,r", [a0, b0], (gl.int32,) * 8,
-                                   is_pure=True, pack=1)
-    o1 = gl.inline_asm_elementwise(VASM, "=r," * 8 + "r,r", [a1, b1], (gl.int32,) * 8,
-                                   is_pure=True, pack=1)
-    return gl.join(_j8(o0), _j8(o1))
+def _u4(a, b):
+    return gl.inline_asm_elementwise(_asm.U4_PAIRS, "=r," * 8 + "r,r", [a, b], (gl.int32,) * 8,
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
-def _value_operand(vb, VASM: gl.constexpr):
-    """Vᵀ [128 rows, 64 columns] fp16 A operand (vb: int64 pointer to bytes 8g.. of token 16t)."""
-    x = gl.join(_j4(_value_calls(vb, 0, VASM), _value_calls(vb, 1, VASM),
-                    _value_calls(vb, 2, VASM), _value_calls(vb, 3, VASM)),
-                _j4(_value_calls(vb, 4, VASM), _value_calls(vb, 5, VASM),
-                    _value_calls(vb, 6, VASM), _value_calls(vb, 7, VASM)))
+def _value_calls(vw, j: gl.constexpr):
+    """Tokens 16t + j (A) and 16t + 8 + j (B): bytes 8g..8g+7 (int64) each."""
+    a0, a1 = _lo_hi(vw[2 * j])
+    b0, b1 = _lo_hi(vw[2 * j + 1])
+    return gl.join(_j8(_u4(a0, b0)), _j8(_u4(a1, b1)))
+
+
+@gluon.jit
+def _value_operand(vw):
+    """Vᵀ [128 rows, 64 columns] fp16 A operand from the lane's 16 value words (_load_tile)."""
+    x = gl.join(_j4(_value_calls(vw, 0), _value_calls(vw, 1), _value_calls(vw, 2),
+                    _value_calls(vw, 3)),
+                _j4(_value_calls(vw, 4), _value_calls(vw, 5), _value_calls(vw, 6),
+                    _value_calls(vw, 7)))
     # [lane, nib, b0, b1, w, j0, j1, j2] → halves → [g, t, nib, b0, b1, w, j0, j1, j2, h]
     x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
     # row = g + 8 nib + 16 b0 + 32 b1 + 64 w; column = h + 2t + 8 j0 + 16 j1 + 32 j2
@@ -142,17 +140,17 @@ def _value_operand(vb, VASM: gl.constexpr):
 
 
 @gluon.jit
-def _row_scalars(p):
-    """fp16 of tokens 8g + i (i = 0..7) at p + i, per lane → fp32 [64, 8] in the score layout
-    (row g + 8i, both heads of the lane)."""
-    v0 = gl.load(p).to(gl.float32)
-    v1 = gl.load(p + 1).to(gl.float32)
-    v2 = gl.load(p + 2).to(gl.float32)
-    v3 = gl.load(p + 3).to(gl.float32)
-    v4 = gl.load(p + 4).to(gl.float32)
-    v5 = gl.load(p + 5).to(gl.float32)
-    v6 = gl.load(p + 6).to(gl.float32)
-    v7 = gl.load(p + 7).to(gl.float32)
+def _row_scalars(v, O: gl.constexpr):
+    """fp16 v[O..O+7] (tokens 8g + i of the lane) → fp32 [64, 8] in the score layout (row
+    g + 8i, both heads of the lane)."""
+    v0 = v[O].to(gl.float32)
+    v1 = v[O + 1].to(gl.float32)
+    v2 = v[O + 2].to(gl.float32)
+    v3 = v[O + 3].to(gl.float32)
+    v4 = v[O + 4].to(gl.float32)
+    v5 = v[O + 5].to(gl.float32)
+    v6 = v[O + 6].to(gl.float32)
+    v7 = v[O + 7].to(gl.float32)
     x = gl.join(_j4(gl.join(v0, v0), gl.join(v1, v1), gl.join(v2, v2), gl.join(v3, v3)),
                 _j4(gl.join(v4, v4), gl.join(v5, v5), gl.join(v6, v6), gl.join(v7, v7)))
     # [lane, h, i0, i1, i2] → [g, t, h, i0, i1, i2]; row = g + 8i, column = h + 2t
@@ -161,12 +159,86 @@ def _row_scalars(p):
 
 
 @gluon.jit
+def _load8(p):
+    return (gl.load(p), gl.load(p + 1), gl.load(p + 2), gl.load(p + 3), gl.load(p + 4),
+            gl.load(p + 5), gl.load(p + 6), gl.load(p + 7))
+
+
+@gluon.jit
+def _load_tile(t, seq_len, bt_row, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
+               KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
+               VZ_OFF: gl.constexpr):
+    """The lane's raw words of tile t: 12 key words, 16 value words, 24 fp16 scalars. Pages
+    hold >= 16 tokens and tiles start at page boundaries, so each lane reads one page per role;
+    pages past the sequence read as page 0 (finite codes; their tokens are masked)."""
+    tg = t * TILE + 8 * (lane // 4)
+    tt = t * TILE + 16 * (lane % 4)
+    pg = gl.load(bt_row + tg // BS, mask=tg < seq_len, other=0)
+    pv = gl.load(bt_row + tt // BS, mask=tt < seq_len, other=0)
+    pg = page0 + pg.to(gl.int64) * sc_b
+    pv = page0 + pv.to(gl.int64) * sc_b
+    kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
+    vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
+    sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.float16))
+    kw = (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
+          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS), gl.load(kb + BS // 2 + 4 * BS),
+          gl.load(kb + BS), gl.load(kb + 3 * BS), gl.load(kb + 5 * BS),
+          gl.load(kb + 3 * BS // 2), gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
+    vw = (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
+          gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24), gl.load(vb + 88),
+          gl.load(vb + 32), gl.load(vb + 96), gl.load(vb + 40), gl.load(vb + 104),
+          gl.load(vb + 48), gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
+    sc = _load8(sp + KN_OFF // 2) + _load8(sp + VS_OFF // 2) + _load8(sp + VZ_OFF // 2)
+    return kw, vw, sc
+
+
+@gluon.jit
+def _lane_sums(x):
+    """[64, 8] score-layout tensor → [8 g, 8 heads]: each lane's sum over its own 8 rows (no
+    shuffles; rows g + 8i)."""
+    return gl.sum(gl.reshape(x, [8, 8, 8]), axis=0)
+
+
+@gluon.jit
+def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.constexpr):
+    """One 64-token tile from its raw words: scores, online softmax (rescaled only when a
+    head's running max grows by more than 8 in log2 units, so p ≤ 256), P·V. MASKED: the
+    sequence's last, partial tile."""
+    kn = _row_scalars(sc, 0)
+    vs = _row_scalars(sc, 8)
+    vz = _row_scalars(sc, 16)
+    s = mma_v2(_key_operand(kw, tab), qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
+    s = s * kn
+    if MASKED:
+        ok = (t * TILE + tau < seq_len)[:, None]
+        s = gl.where(ok, s, float("-inf"))
+        vs = gl.where(ok, vs, 0.0)
+        vz = gl.where(ok, vz, 0.0)
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    if gl.max(m_new - m_i, axis=0) > 8.0:
+        alpha = gl.exp2(m_i - m_new)
+        acc = acc * alpha[None, :]
+        a2 = gl.max(gl.reshape(gl.zeros([TILE, 8], gl.float32, layout=_MMA) + alpha[None, :],
+                               [8, 8, 8]), axis=0)
+        l_p = l_p * a2
+        z_p = z_p * a2
+        m_i = m_new
+    p = gl.exp2(s - m_i[None, :])
+    l_p = l_p + _lane_sums(p)
+    z_p = z_p + _lane_sums(p * vz)
+    pb = gl.convert_layout((p * vs).to(gl.float16), _OP_B)
+    acc = mma_v2(_value_operand(vw), pb, acc)
+    return m_i, l_p, z_p, acc
+
+
+# split-count-dependent arguments are not specialised: the kernel whose registers
+# programs_per_sm reads is the one every split count runs
+@gluon.jit(do_not_specialize=["spo_r", "spo_h", "spo_s", "spl_r", "spl_h", "NUM_SPLITS"])
 def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr,
-                       po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, qk_scale, NUM_SPLITS,
-                       GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
+                       po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, tab_ptr,
+                       NUM_SPLITS, GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
-                       VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, KASM: gl.constexpr,
-                       VASM: gl.constexpr):
+                       VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HK
@@ -176,57 +248,55 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     per_split = gl.cdiv(n_tiles, NUM_SPLITS)
     t0 = split * per_split
     t1 = gl.minimum(t0 + per_split, n_tiles)
+    # tiles [t0, t_mid) are full; t_mid < t1 is the sequence's partial last tile
+    t_mid = gl.maximum(t0, gl.minimum(t1, seq_len // TILE))
 
-    # query (rotated, fp32) → Qᵀ [128, 8] operand, column κ = rotated coordinate c(κ)
-    kq = gl.arange(0, 128, layout=gl.SliceLayout(1, _QL))
-    hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _QL))
-    coord = 8 * (((kq >> 1) & 3) + 4 * ((kq >> 5) & 3)) + 2 * ((kq >> 3) & 3) + (kq & 1)
+    # the rotated, scaled fp16 query (kernels/qrot.py, columns in operand order) as Qᵀ
+    kq = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
+    hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
     q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
-    qv = gl.load(q_ptr + q_rows[None, :] + coord[:, None], mask=(hq < GROUP)[None, :], other=0.0)
-    qb = gl.convert_layout((qv * qk_scale).to(gl.float16), _OP_B)
+    qb = gl.load(q_ptr + q_rows[None, :] + kq[:, None], mask=(hq < GROUP)[None, :], other=0.0)
 
+    lane = gl.arange(0, 32, layout=_LANE)
+    # one copy of the table per lane: a warp-uniform load would put it in uniform registers,
+    # which ptxas copies into a register before every prmt
+    tab = (gl.load(tab_ptr + 4 * lane), gl.load(tab_ptr + 4 * lane + 1),
+           gl.load(tab_ptr + 4 * lane + 2), gl.load(tab_ptr + 4 * lane + 3))
     bt_row = bt_ptr + b.to(gl.int64) * sbt
     page0 = cache_ptr + kvh.to(gl.int64) * sc_h
-    # per lane (g, t): tokens 8g.. (keys, per-token scalars) and 16t.. (values) of the tile
-    lane = gl.arange(0, 32, layout=_LANE)
-    tg = 8 * (lane // 4)
-    tt = 16 * (lane % 4)
     rho = gl.arange(0, TILE, layout=_ROWS)
     tau = 8 * (rho % 8) + rho // 8
 
-    m_i = gl.full([8], float("-inf"), gl.float32, layout=_HEADS)
-    l_f = gl.zeros([TILE, 8], gl.float32, layout=_MMA)
-    z_f = gl.zeros([TILE, 8], gl.float32, layout=_MMA)
+    # a finite "-inf": the first tile always takes the rescale branch (alpha = 0)
+    m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
+    l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
+    z_p = l_p
     acc = gl.zeros([128, 8], gl.float32, layout=_MMA)
-    for t in range(t0, t1):
-        tok0 = t * TILE
-        # pages hold >= 16 tokens and tiles start at page boundaries: one page per lane and role
-        pg = page0 + gl.load(bt_row + (tok0 + tg) // BS).to(gl.int64) * sc_b
-        pv = page0 + gl.load(bt_row + (tok0 + tt) // BS).to(gl.int64) * sc_b
-        kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
-        vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
-        sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.float16))
-        kn = _row_scalars(sp + KN_OFF // 2)
-        vs = _row_scalars(sp + VS_OFF // 2)
-        vz = _row_scalars(sp + VZ_OFF // 2)
-        ok = (tok0 + tau < seq_len)[:, None]
+    # software pipeline: the words of tile t+1 are in flight while tile t is computed
+    kw, vw, sc = _load_tile(t0, seq_len, bt_row, page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
+                            VS_OFF, VZ_OFF)
+    for t in range(t0, t_mid):
+        if PREFETCH:
+            kw_n, vw_n, sc_n = _load_tile(t + 1, seq_len, bt_row, page0, lane, sc_b, BS, K_OFF,
+                                          KN_OFF, V_OFF, VS_OFF, VZ_OFF)
+        else:
+            kw, vw, sc = _load_tile(t, seq_len, bt_row, page0, lane, sc_b, BS, K_OFF, KN_OFF,
+                                    V_OFF, VS_OFF, VZ_OFF)
+        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
+                                   False)
+        if PREFETCH:
+            kw, vw, sc = kw_n, vw_n, sc_n
+    if t_mid < t1:
+        if not PREFETCH:
+            kw, vw, sc = _load_tile(t_mid, seq_len, bt_row, page0, lane, sc_b, BS, K_OFF,
+                                    KN_OFF, V_OFF, VS_OFF, VZ_OFF)
+        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
+                                   True)
 
-        s = mma_v2(_key_operand(kb, BS, KASM), qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
-        s = gl.where(ok, s * kn, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[None, :])
-        l_f = l_f * alpha[None, :] + p
-        z_f = z_f * alpha[None, :] + p * gl.where(ok, vz, 0.0)
-        pb = gl.convert_layout((p * gl.where(ok, vs, 0.0)).to(gl.float16), _OP_B)
-        acc = mma_v2(_value_operand(vb, VASM), pb, acc * alpha[None, :])
-        m_i = m_new
-
-    l_i = gl.sum(l_f, axis=0)
+    l_i = gl.convert_layout(gl.sum(l_p, axis=0), _HEADS)
     has = l_i > 0.0
     inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    z = gl.sum(z_f, axis=0) * inv
+    z = gl.convert_layout(gl.sum(z_p, axis=0), _HEADS) * inv
     lse = gl.where(has, m_i * 0.6931471805599453 + gl.log(gl.where(has, l_i, 1.0)),
                    float("-inf"))
     heads = gl.arange(0, 8, layout=_HEADS)
@@ -249,15 +319,75 @@ def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
             and vf[0].w == 1 and vf[0].g == 64)
 
 
-def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, scale: float, group: int,
-           num_splits: int) -> None:
+def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, group, num_splits, prefetch):
     m = spec.meta
     kf = spec.key_fields[0]
-    batch, hk = seq_lens.numel(), kv_cache.shape[1]
-    _decode_mma_kernel[(batch * hk, num_splits)](
-        qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
-        block_table, block_table.stride(0), seq_lens, part, part.stride(0), part.stride(1),
-        part.stride(2), plse, plse.stride(0), plse.stride(1), scale * 1.4426950408889634,
-        num_splits, GROUP=group, HK=hk, BS=spec.block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
-        V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
-        KASM=_asm.lut3_rows(spec.table[kf.lut:kf.lut + 8]), VASM=_asm.U4_PAIRS.value, num_warps=1)
+    args = (qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+            block_table, block_table.stride(0), seq_lens, part, part.stride(0), part.stride(1),
+            part.stride(2), plse, plse.stride(0), plse.stride(1), _tables(spec, qk.device)[0],
+            num_splits)
+    meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
+                KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
+                VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, num_warps=1,
+                maxnreg=MAXNREG[bool(prefetch)])
+    return args, meta
+
+
+# register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
+# SM without prefetch, 9 with the prefetched words of the next tile
+MAXNREG = {False: 168, True: 216}
+
+
+_RESIDENT: dict = {}
+
+
+def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int,
+                    prefetch: bool) -> int:
+    """One-warp programs an SM holds at once, from the compiled kernel's register count (the
+    split count is chosen to fill whole waves of them)."""
+    key = (id(spec), group, kv_cache.shape[1], prefetch, str(qk.device))
+    if key not in _RESIDENT:
+        part = torch.empty(*qk.shape[:2], 16, qk.shape[2], device=qk.device)
+        plse = torch.empty(*qk.shape[:2], 16, device=qk.device)
+        args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, group, 16,
+                           prefetch)
+        kernel = _decode_mma_kernel.warmup(*args, grid=(1, 1), **meta)
+        try:
+            kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
+            regs = -(-int(kernel.n_regs) // 8) * 8
+        except (AttributeError, TypeError):  # another triton: the sm_90 build's count
+            regs = 168
+        _RESIDENT[key] = max(1, min(32, 65536 // (32 * regs)))
+    return _RESIDENT[key]
+
+
+def rotated_query(spec, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The kernel's query operand: fp16 q·R[:, c(κ)] times scale·log2(e) (kernels/qrot.py)."""
+    return qrot.rotate_query(q, _tables(spec, q.device)[1], scale * 1.4426950408889634)
+
+
+def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, group: int,
+           num_splits: int, prefetch: bool = True) -> None:
+    """qk: :func:`rotated_query`."""
+    args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, group,
+                       num_splits, prefetch)
+    _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
+
+
+_TABLES: dict = {}
+
+
+def _tables(spec, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """On device, cached per spec: the key codebook as the 4 int32 prmt table words, one copy
+    per lane [32, 4]; the rotation fp32 with its columns in operand order (column κ = column
+    c(κ) of R)."""
+    key = (id(spec), str(device))
+    if key not in _TABLES:
+        kf = spec.key_fields[0]
+        words = _asm.lut3_table_words(spec.table[kf.lut:kf.lut + 8].tolist())
+        k = torch.arange(128)
+        coord = 8 * (((k >> 1) & 3) + 4 * ((k >> 5) & 3)) + 2 * ((k >> 3) & 3) + (k & 1)
+        rot = spec.codec.rotation.float().cpu()[:, coord].contiguous()
+        _TABLES[key] = (torch.tensor([words] * 32, dtype=torch.int32, device=device),
+                        rot.to(device))
+    return _TABLES[key]

@@ -1,0 +1,56 @@
+"""Per-kernel GPU time of one decode call (torch.profiler, CUDA activity), to see where the
+time of a small decode step goes (query rotation, split kernel, merge).
+
+    PYTHONPATH=. python3 bench/decode_profile.py --shape 8x16384 [--preset P] [--tune JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.decode import fill_cache, make_data  # noqa: E402
+from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
+from tqattn.quant.codec import TQCodec  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8x16384")
+    ap.add_argument("--preset", default="turboquant_k3v4_nc")
+    ap.add_argument("--tune", type=json.loads, default={})
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    b, l = map(int, args.shape.split("x"))
+    q, k, v, bt = make_data(b, l, 32, 8, 128)
+    codec = TQCodec(args.preset, 128, device="cuda")
+    cache = fill_cache(codec, k, v, 8)
+    lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    for _ in range(3):
+        decode_attention_triton(codec, q, cache, bt, lens, out=out, **args.tune)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.reps):
+            decode_attention_triton(codec, q, cache, bt, lens, out=out, **args.tune)
+        torch.cuda.synchronize()
+    print(f"B={b} L={l} {args.preset} {args.tune}: per call, µs")
+    total = 0.0
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if e.device_time_total <= 0:
+            continue
+        us = e.device_time_total / args.reps
+        total += us
+        print(f"  {us:8.1f}  x{e.count // args.reps}  {e.key[:90]}")
+    print(f"  {total:8.1f}  total kernel time")
+
+
+if __name__ == "__main__":
+    main()

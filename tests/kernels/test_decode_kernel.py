@@ -93,8 +93,8 @@ def test_rejects_bad_shapes():
 def test_rotate_query():
     """The tensor-core decode kernel's query operand (kernels/qrot.py) vs its PyTorch twin."""
     from tqattn.kernels.qrot import rotate_query, rotate_query_ref
-    q = torch.randn(3, 6, 32, dtype=torch.bfloat16)          # 18 rows: two blocks, one partial
-    r = torch.linalg.qr(torch.randn(32, 32))[0][:, torch.randperm(32)].contiguous()
+    q = torch.randn(3, 6, 64, dtype=torch.bfloat16)          # 18 rows: two blocks, one partial
+    r = torch.linalg.qr(torch.randn(64, 64))[0][:, torch.randperm(64)].contiguous()
     out = rotate_query(q, r, 0.7)
     ref = rotate_query_ref(q, r, 0.7)
     assert out.dtype == torch.float16 and out.shape == q.shape

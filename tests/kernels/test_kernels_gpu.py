@@ -109,6 +109,11 @@ def test_decode_mma_path_gpu():
         _decode_case("turboquant_k3v4_nc", 128, 2, 7, bs, [63, 64, 65, 129, 5000, 1])
     _decode_case("turboquant_k3v4_nc", 128, 2, 3, 16, [63, 64, 65, 129, 5000, 1],
                  tune={"mma_prefetch": False})
+    _decode_case("turboquant_k3v4_nc", 128, 2, 3, 16, [0, 300, 64], tune={"mma_prefetch": True})
+    # the last split of each group merges and resets its counter
+    torch.cuda.synchronize()
+    counters = [c for bufs in decode_mma._COUNTERS.values() for c in bufs]
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
 @pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3"])

@@ -23,7 +23,7 @@ widths through byte loads, shifts and centroid gathers (also the interpreter's p
 
 Dispatch: 3-bit centroid keys + 4-bit uniform values at head size 128, one row per sequence,
 no window / soft-cap (``turboquant_k3v4_nc``) go to the Gluon tensor-core kernel
-(kernels/decode_mma.py: 0.32-0.48x FA3's time at >= 16K, bench/results/decode_h200_s5.md);
+(kernels/decode_mma.py: 0.31-0.50x FA3's time at >= 16K, bench/results/decode_h200_s5_2.md);
 everything else runs this kernel, which stays latency-bound (turboquant_k3v4_nc here ≈ 1.0x
 FA3, tq_k4v3 1.2-1.8x, ~20-50 % of the copy bandwidth; bench/results/decode_notes.md).
 """
@@ -719,22 +719,25 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     grid = (batch * hk, num_splits, row_blocks)
     interp = q.device.type != "cuda"
     if mma:
-        decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, group,
-                          num_splits, prefetch)
-    else:
-        _decode_split_kernel[grid](
-            qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
-            block_table, block_table.stride(0), seq_lens, qsl, qpos, lut,
-            part, part.stride(0), part.stride(1), part.stride(2), plse, plse.stride(0),
-            plse.stride(1),
-            default_scale(codec, scale), float(softcap or 0.0), int(window or 0),
-            spec.kfac, spec.vfac,
-            HAS_QSL=query_start_loc is not None, HAS_QPOS=query_pos_start is not None,
-            HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), GROUP=group, HK=hk,
-            BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
-            PREFETCH=cfg["PREFETCH"], **asm,
-            FP8_NATIVE=not interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}), **spec.meta)
+        if out is None:
+            out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
+        lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
+        decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse,
+                          group, num_splits, prefetch)
+        return (out, lse) if return_lse else out
+    _decode_split_kernel[grid](
+        qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+        block_table, block_table.stride(0), seq_lens, qsl, qpos, lut,
+        part, part.stride(0), part.stride(1), part.stride(2), plse, plse.stride(0),
+        plse.stride(1),
+        default_scale(codec, scale), float(softcap or 0.0), int(window or 0),
+        spec.kfac, spec.vfac,
+        HAS_QSL=query_start_loc is not None, HAS_QPOS=query_pos_start is not None,
+        HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), GROUP=group, HK=hk,
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
+        PREFETCH=cfg["PREFETCH"], **asm,
+        FP8_NATIVE=not interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}), **spec.meta)
 
     v_rot = spec.meta["V_TQ"]
     if out is None:

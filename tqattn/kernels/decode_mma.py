@@ -5,8 +5,8 @@ Fast path of :func:`tqattn.kernels.decode.decode_attention_triton` for 3-bit cen
 GQA groups of up to 8 query heads, one query row per sequence, no window / soft-cap. Math =
 :func:`tqattn.quant.paged.decode_attention_ref` (its twin; the inline asm does not run under
 triton's interpreter, so the comparison runs on the GPU: ``pytest -m gpu``). The query comes
-rotated and scaled from kernels/qrot.py; the split outputs and LSEs are merged by the Triton
-kernel's ``_merge_kernel``.
+rotated and scaled from kernels/qrot.py; the last split of each (sequence, KV head) to finish
+merges the group's split outputs (the math of ``decode._merge_kernel``) into ``out``/``lse``.
 
 Why a second kernel: the Triton kernel feeds ``tl.dot`` from blocked layouts, so every decoded
 tile makes a round trip through shared memory (plus barriers), and its ``[heads, tokens]`` dots
@@ -28,8 +28,8 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
 Launch: one warp per (sequence, KV head, split); the split count fills one wave of programs at
 one below the resident count that the compiled kernel's registers allow (programs_per_sm);
 with B·Hk ≥ #SMs the words of tile t+1 are loaded while tile t is computed (216 registers,
-9 programs per SM), else not (168, 12 per SM). Measured (H200, bench/results/decode_h200_s5.md):
-0.32-0.48x bf16 FA3's time at >= 16K context, 59-71 % of the copy rate at B·context ≥ 512K.
+9 programs per SM), else not (168, 12 per SM). Measured (H200, bench/results/decode_h200_s5_2.md):
+0.31-0.50x bf16 FA3's time at >= 16K context, 58-69 % of the copy rate at B·context ≥ 512K.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 
 _OP_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
 _OP_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA.value, k_width=2))
 _LANE = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+_ML = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))     # [8 heads, 128] merge
 _ROWS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
 _HEADS = gl.constexpr(gl.SliceLayout(0, _MMA.value))
 
@@ -231,14 +232,49 @@ def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.c
     return m_i, l_p, z_p, acc
 
 
+@gluon.jit
+def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s, spl_r, spl_h,
+                 so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr):
+    """The group's split outputs → its final rows (the math of decode._merge_kernel)."""
+    hh = gl.arange(0, 8, layout=gl.SliceLayout(1, _ML))
+    dd = gl.arange(0, 128, layout=gl.SliceLayout(0, _ML))
+    heads = kvh * GROUP + hh
+    hm = hh < GROUP
+    lrow = b.to(gl.int64) * spl_r + heads * spl_h
+    prow = b.to(gl.int64) * spo_r + heads * spo_h
+    mx = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, _ML))
+    for s in range(NUM_SPLITS):
+        mx = gl.maximum(mx, gl.load(plse_ptr + lrow + s, mask=hm, other=float("-inf")))
+    mx_use = gl.where(mx == float("-inf"), 0.0, mx)
+    acc = gl.zeros([8, 128], gl.float32, layout=_ML)
+    tot = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, _ML))
+    for s in range(NUM_SPLITS):
+        w = gl.exp(gl.load(plse_ptr + lrow + s, mask=hm, other=float("-inf")) - mx_use)
+        part = gl.load(po_ptr + (prow + s * spo_s)[:, None] + dd[None, :],
+                       mask=(hm & (w > 0.0))[:, None], other=0.0)
+        acc += part * w[:, None]
+        tot += w
+    o = acc / gl.where(tot > 0.0, tot, 1.0)[:, None]
+    orow = b.to(gl.int64) * so_r + heads * so_h
+    gl.store(out_ptr + orow[:, None] + dd[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hm[:, None])
+    if WRITE_LSE:
+        gl.store(lse_ptr + b.to(gl.int64) * sl_r + heads,
+                 gl.where(tot > 0.0, mx_use + gl.log(gl.where(tot > 0.0, tot, 1.0)),
+                          float("-inf")), mask=hm)
+
+
 # split-count-dependent arguments are not specialised: the kernel whose registers
 # programs_per_sm reads is the one every split count runs
-@gluon.jit(do_not_specialize=["spo_r", "spo_h", "spo_s", "spl_r", "spl_h", "NUM_SPLITS"])
+@gluon.jit(do_not_specialize=["spo_r", "spo_h", "spo_s", "spl_r", "spl_h", "so_r", "so_h", "sl_r",
+                              "NUM_SPLITS"])
 def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr,
                        po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, tab_ptr,
-                       NUM_SPLITS, GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
+                       out_ptr, so_r, so_h, lse_ptr, sl_r, count_ptr, NUM_SPLITS,
+                       GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
-                       VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr):
+                       VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
+                       WRITE_LSE: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HK
@@ -308,6 +344,15 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     gl.store(plse_ptr + b * spl_r + (kvh * GROUP + heads) * spl_h + split, lse,
              mask=heads < GROUP)
 
+    # the group's last split to finish merges (no merge launch): the barrier orders every
+    # lane's stores before the release of the counter; the counter is left at 0 for the next call
+    gl.thread_barrier()
+    done = gl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if done == NUM_SPLITS - 1:
+        gl.store(count_ptr + pid, 0)
+        _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s, spl_r,
+                     spl_h, so_r, so_h, sl_r, NUM_SPLITS, GROUP, WRITE_LSE)
+
 
 def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
     """Whether this kernel serves the call (else the Triton kernel does)."""
@@ -319,16 +364,20 @@ def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
             and vf[0].w == 1 and vf[0].g == 64)
 
 
-def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, group, num_splits, prefetch):
+def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
+          prefetch):
     m = spec.meta
     kf = spec.key_fields[0]
+    groups = seq_lens.numel() * kv_cache.shape[1]
+    lse_arg = lse if lse is not None else plse
     args = (qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
             block_table, block_table.stride(0), seq_lens, part, part.stride(0), part.stride(1),
             part.stride(2), plse, plse.stride(0), plse.stride(1), _tables(spec, qk.device)[0],
-            num_splits)
+            out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
+            _counters(qk.device, groups), num_splits)
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
-                VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, num_warps=1,
+                VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, WRITE_LSE=lse is not None, num_warps=1,
                 maxnreg=MAXNREG[bool(prefetch)])
     return args, meta
 
@@ -336,8 +385,6 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, group, num_spli
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
 # SM without prefetch, 9 with the prefetched words of the next tile
 MAXNREG = {False: 168, True: 216}
-
-
 _RESIDENT: dict = {}
 
 
@@ -345,18 +392,19 @@ def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int,
                     prefetch: bool) -> int:
     """One-warp programs an SM holds at once, from the compiled kernel's register count (the
     split count is chosen to fill whole waves of them)."""
-    key = (id(spec), group, kv_cache.shape[1], prefetch, str(qk.device))
+    key = (id(spec), group, kv_cache.shape[1], prefetch, qk.dtype, str(qk.device))
     if key not in _RESIDENT:
         part = torch.empty(*qk.shape[:2], 16, qk.shape[2], device=qk.device)
         plse = torch.empty(*qk.shape[:2], 16, device=qk.device)
-        args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, group, 16,
-                           prefetch)
+        out = torch.empty(qk.shape, dtype=torch.bfloat16, device=qk.device)
+        args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, None,
+                           group, 16, prefetch)
         kernel = _decode_mma_kernel.warmup(*args, grid=(1, 1), **meta)
         try:
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
             regs = -(-int(kernel.n_regs) // 8) * 8
         except (AttributeError, TypeError):  # another triton: the sm_90 build's count
-            regs = 168
+            regs = MAXNREG[bool(prefetch)]
         _RESIDENT[key] = max(1, min(32, 65536 // (32 * regs)))
     return _RESIDENT[key]
 
@@ -366,12 +414,30 @@ def rotated_query(spec, q: torch.Tensor, scale: float) -> torch.Tensor:
     return qrot.rotate_query(q, _tables(spec, q.device)[1], scale * 1.4426950408889634)
 
 
-def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, group: int,
+def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
            num_splits: int, prefetch: bool = True) -> None:
-    """qk: :func:`rotated_query`."""
-    args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, group,
+    """qk: :func:`rotated_query`; part/plse: split scratch; out (rows, Hq, D) and lse (rows, Hq)
+    or None receive the merged result."""
+    if out.stride(-1) != 1:
+        raise ValueError(f"out must have a contiguous last dimension, strides {out.stride()}")
+    args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
                        num_splits, prefetch)
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """Per-group split counters, zero between calls (the merging program resets its own). One
+    buffer per device, grown by replacement; replaced buffers stay alive for captured graphs.
+    Calls on different streams must not run concurrently."""
+    key = str(device)
+    bufs = _COUNTERS.setdefault(key, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else 1024),
+                                dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 _TABLES: dict = {}

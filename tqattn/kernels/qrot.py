@@ -15,14 +15,16 @@ import triton.language as tl
 
 @triton.jit
 def _rotate_query_kernel(q_ptr, n_rows, r_ptr, out_ptr, scale, D: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    # one program per (16 rows, 32 output columns): short dependency chains, many programs
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     d = tl.arange(0, D)
     ok = (rows < n_rows)[:, None]
     q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    r = tl.load(r_ptr + d[:, None] * D + d[None, :])
+    r = tl.load(r_ptr + d[:, None] * D + cols[None, :])
     o = tl.dot(q, r, input_precision="tf32x3") * scale   # fp32-accurate on tensor cores
-    tl.store(out_ptr + rows[:, None] * D + d[None, :], o.to(tl.float16), mask=ok)
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], o.to(tl.float16), mask=ok)
 
 
 def rotate_query_ref(q: torch.Tensor, r: torch.Tensor, scale: float) -> torch.Tensor:
@@ -36,7 +38,10 @@ def rotate_query(q: torch.Tensor, r: torch.Tensor, scale: float) -> torch.Tensor
         raise ValueError(f"rotation must be ({d}, {d}) float32, got {tuple(r.shape)} {r.dtype}")
     q2 = q.reshape(-1, d).contiguous()
     out = torch.empty(q2.shape, dtype=torch.float16, device=q.device)
-    block = 16
-    _rotate_query_kernel[(triton.cdiv(q2.shape[0], block),)](q2, q2.shape[0], r, out,
-                                                              float(scale), D=d, BLOCK=block)
+    block, block_c = 16, min(32, d)
+    if d % block_c or d & (d - 1):
+        raise ValueError(f"head size {d}: the rotation kernel needs a power of two >= 16")
+    grid = (triton.cdiv(q2.shape[0], block), d // block_c)
+    _rotate_query_kernel[grid](q2, q2.shape[0], r, out, float(scale), D=d, BLOCK=block,
+                               BLOCK_C=block_c, num_warps=2)
     return out.view(q.shape)

@@ -8,6 +8,7 @@ warps / BLOCK_N. At the H200's copy rate, turboquant_k3v4_nc (118 B/token/head) 
 28 warp instructions per token (4 schedulers/SM, 132 SMs, ~1.9 GHz).
 
     PYTHONPATH=. python3 bench/sass_stats.py --presets turboquant_k3v4_nc,tq_k4v3 [--set K=V ...]
+    PYTHONPATH=. python3 bench/sass_stats.py --mma [--prefetch]   # the Gluon tensor-core kernel
 """
 
 from __future__ import annotations
@@ -69,6 +70,36 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
                             options={"num_warps": num_warps, "num_stages": 1,
                                      **({"maxnreg": maxnreg} if maxnreg else {})})
     return kernel, {**cex, "num_warps": num_warps}
+
+
+def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16):
+    """Compile kernels/decode_mma.py's kernel for sm_90 (turboquant_k3v4_nc, head size 128) as
+    the dispatch launches it (1 warp, the register cap of its prefetch mode)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from tqattn.kernels import decode_mma
+
+    spec = kernel_spec(TQCodec("turboquant_k3v4_nc", 128), block_size)
+    m, kf = spec.meta, spec.key_fields[0]
+    fn = decode_mma._decode_mma_kernel
+    cex = dict(GROUP=group, HK=8, BS=block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
+               V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
+               PREFETCH=prefetch, WRITE_LSE=False)
+    ptrs = {"q_ptr": "*fp16", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
+            "po_ptr": "*fp32", "plse_ptr": "*fp32", "tab_ptr": "*i32", "out_ptr": "*bf16",
+            "lse_ptr": "*fp32", "count_ptr": "*i32"}
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(inspect.signature(fn.fn).parameters):
+        if p in cex:
+            sig[p] = "constexpr"
+            consts[(i,)] = cex[p]
+        else:
+            sig[p] = ptrs.get(p, "i32")
+            if p in ptrs or p in ("sq_r", "sq_h", "sc_b", "sc_h", "sbt"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 1, "maxnreg": decode_mma.MAXNREG[prefetch]})
+    return kernel, {"num_warps": 1, "BLOCK_N": decode_mma.TILE.value}
 
 
 def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
@@ -144,7 +175,23 @@ def main():
     ap.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BLOCK_N=64")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--mma", action="store_true",
+                    help="the Gluon tensor-core kernel (turboquant_k3v4_nc) instead")
+    ap.add_argument("--prefetch", action="store_true", help="--mma: the prefetching variant")
     args = ap.parse_args()
+    if args.mma:
+        kernel, cex = compile_mma(args.prefetch, args.group)
+        st = loop_stats(*disassemble(kernel.asm["cubin"]))
+        res = resources(kernel.asm["cubin"])
+        st.update(resources=res, programs_per_sm=occupancy(res, 1, kernel.metadata.shared),
+                  warp_instr_per_token=st["loop_instructions"] / cex["BLOCK_N"])
+        top = ", ".join(f"{k} {v}" for k, v in list(st["loop_opcodes"].items())[:args.top])
+        print(json.dumps(st, indent=1) if args.json else
+              f"decode_mma prefetch={args.prefetch}: loop={st['loop_instructions']} per 64 tokens "
+              f"-> {st['warp_instr_per_token']:.1f} warp instr/token, spill ops "
+              f"{st['spill_ops']}, {res['reg']} regs -> {st['programs_per_sm']} programs/SM\n"
+              f"    {top}")
+        return
     overrides = {k: (v == "True" if v in ("True", "False") else int(v))
                  for k, v in (s.split("=") for s in args.set)}
     results = []

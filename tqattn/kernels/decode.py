@@ -652,6 +652,32 @@ def _block_n(spec) -> int:
     return 128 if cost <= 300 else 64 if cost <= 420 else 32
 
 
+def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num_splits, out,
+                return_lse):
+    """The tensor-core path (kernels/decode_mma.py): query rotation kernel + one decode launch
+    whose last split per group writes ``out`` (and the LSE)."""
+    rows, hq, d = q.shape
+    batch, hk = seq_lens.numel(), kv_cache.shape[1]
+    qk = decode_mma.rotated_query(spec, q, scale)
+    prefetch = cfg["mma_prefetch"]
+    if prefetch is None:  # long splits (B·Hk fills the SMs): prefetch pays for its registers
+        prefetch = batch * hk >= _num_sms(q.device)
+    if num_splits is None:
+        # one wave of one-warp programs (a partial last wave idles most SMs), one below the
+        # register limit (measured: a full SM ran as if a second wave were needed)
+        per_sm = cfg["mma_programs_per_sm"] or max(1, decode_mma.programs_per_sm(
+            spec, qk, kv_cache, block_table, seq_lens, group, prefetch) - 1)
+        num_splits = max(1, min(64, per_sm * _num_sms(q.device) // (batch * hk)))
+    part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
+    decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
+                      num_splits, prefetch)
+    return (out, lse) if return_lse else out
+
+
 def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor | None = None,
@@ -691,26 +717,14 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     plain = query_start_loc is None and query_pos_start is None and not window and not softcap
     mma = (cfg["MMA"] and cfg["ASM"] and decode_mma is not None
            and decode_mma.supported(spec, q, group, plain))
-    lut, rot = spec.tables_on(q.device)
     if mma:
-        qk = decode_mma.rotated_query(spec, q, default_scale(codec, scale))
-    elif spec.meta["K_FP8"]:
-        qk = q
-    else:
-        qk = (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
-    prefetch = cfg["mma_prefetch"]
-    if prefetch is None:  # long splits (B·Hk fills the SMs): prefetch pays for its registers
-        prefetch = batch * hk >= _num_sms(q.device)
+        return _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens,
+                           default_scale(codec, scale), group, num_splits, out, return_lse)
+    lut, rot = spec.tables_on(q.device)
+    qk = q if spec.meta["K_FP8"] else (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
     if num_splits is None:
-        if mma:  # one wave of one-warp programs (a partial last wave idles most SMs), one
-            # below the register limit (measured: a full SM ran as if a second wave were needed)
-            per_sm = cfg["mma_programs_per_sm"] or max(1, decode_mma.programs_per_sm(
-                spec, qk, kv_cache, block_table, seq_lens, group, prefetch) - 1)
-            num_splits = max(1, min(64, per_sm * _num_sms(q.device) // (batch * hk)))
-        else:
-            num_splits = max(1, min(64, triton.cdiv(cfg["target_programs"] * _num_sms(q.device),
-                                                    batch * hk * row_blocks)))
-
+        num_splits = max(1, min(64, triton.cdiv(cfg["target_programs"] * _num_sms(q.device),
+                                                batch * hk * row_blocks)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
     dummy = seq_lens
@@ -718,13 +732,6 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     qpos = query_pos_start if query_pos_start is not None else dummy
     grid = (batch * hk, num_splits, row_blocks)
     interp = q.device.type != "cuda"
-    if mma:
-        if out is None:
-            out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
-        lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
-        decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse,
-                          group, num_splits, prefetch)
-        return (out, lse) if return_lse else out
     _decode_split_kernel[grid](
         qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
         block_table, block_table.stride(0), seq_lens, qsl, qpos, lut,

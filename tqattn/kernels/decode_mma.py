@@ -24,6 +24,9 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
 * each lane reads one page per role and tile (tiles of 64 tokens start at page boundaries),
   the online softmax rescales only when a head's max grows by more than 8 (log2 units), row
   sums stay per lane until the end, and only the sequence's last partial tile is masked.
+  Limit: ``p ≤ 2^8`` times a token's value scale must fit fp16 (scale < 256, i.e. a value
+  range below ~3800 within one token's head vector; the Triton kernel, with ``p ≤ 1``, allows
+  256x more).
 
 Launch: one warp per (sequence, KV head, split); the split count fills one wave of programs at
 one below the resident count that the compiled kernel's registers allow (programs_per_sm);

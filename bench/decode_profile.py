@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import environment  # noqa: E402
 from bench.decode import fill_cache, make_data  # noqa: E402
 from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
 from tqattn.quant.codec import TQCodec  # noqa: E402
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--tune", type=json.loads, default={})
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
+    print(json.dumps({**environment(), "command": "python3 " + " ".join(sys.argv)}), flush=True)
     b, l = map(int, args.shape.split("x"))
     q, k, v, bt = make_data(b, l, 32, 8, 128)
     codec = TQCodec(args.preset, 128, device="cuda")

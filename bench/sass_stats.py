@@ -40,6 +40,22 @@ FLOATS = {"scale", "softcap", "kfac", "vfac"}
 ALIGNED_INTS = {"sq_r", "sq_h", "sc_b", "sc_h", "sbt", "spo_r", "spo_h", "spo_s", "spl_r", "spl_h"}
 
 
+def _signature(params, cex: dict, ptrs: dict, aligned: set) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for triton.compile: constexprs from cex, pointers from
+    ptrs, other arguments fp32 (FLOATS) or i32; pointers and the aligned ints get the 16-byte
+    divisibility the launcher sees at real shapes."""
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(params):
+        if p in cex:
+            sig[p] = "constexpr"
+            consts[(i,)] = cex[p]
+        else:
+            sig[p] = ptrs.get(p, "fp32" if p in FLOATS else "i32")
+            if p in ptrs or p in aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, attrs
+
+
 def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 16,
                    num_warps: int | None = None, maxnreg: int | None = None, **overrides):
     """Compile _decode_split_kernel for sm_90 as the dispatch would launch it (one row/seq)."""
@@ -56,15 +72,7 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
     cex.update(HAS_QSL=False, HAS_QPOS=False, HAS_WINDOW=False, HAS_SOFTCAP=False, GROUP=group,
                HK=8, BLOCK_M=16, FP8_NATIVE=True, **spec.meta, **asm)
     cex.update(overrides)
-    sig, consts, attrs = {}, {}, {}
-    for i, p in enumerate(params):
-        if p in cex:
-            sig[p] = "constexpr"
-            consts[(i,)] = cex[p]
-        else:
-            sig[p] = PTRS.get(p, "fp32" if p in FLOATS else "i32")
-            if p in PTRS or p in ALIGNED_INTS:  # what the launcher sees at real shapes
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, consts, attrs = _signature(params, cex, PTRS, ALIGNED_INTS)
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": 1,
@@ -87,15 +95,8 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16):
     ptrs = {"q_ptr": "*fp16", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
             "po_ptr": "*fp32", "plse_ptr": "*fp32", "tab_ptr": "*i32", "out_ptr": "*bf16",
             "lse_ptr": "*fp32", "count_ptr": "*i32"}
-    sig, consts, attrs = {}, {}, {}
-    for i, p in enumerate(inspect.signature(fn.fn).parameters):
-        if p in cex:
-            sig[p] = "constexpr"
-            consts[(i,)] = cex[p]
-        else:
-            sig[p] = ptrs.get(p, "i32")
-            if p in ptrs or p in ("sq_r", "sq_h", "sc_b", "sc_h", "sbt"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, consts, attrs = _signature(list(inspect.signature(fn.fn).parameters), cex, ptrs,
+                                    {"sq_r", "sq_h", "sc_b", "sc_h", "sbt"})
     kernel = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 1, "maxnreg": decode_mma.MAXNREG[prefetch]})

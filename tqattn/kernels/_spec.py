@@ -129,6 +129,7 @@ class KernelSpec:
         self.key_fields, self.value_fields = kf, vf
         self.table = torch.cat(tables) if tables else torch.zeros(1)
         self._dev: dict = {}
+        self.asm_meta: dict = {}      # decode._asm_meta per "asm on" flag
 
     def tables_on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(lookup/boundary table fp32, rotation fp32) on device, cached."""

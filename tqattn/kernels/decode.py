@@ -37,12 +37,12 @@ import triton.language as tl
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
 from . import _asm, _tl
+from ._spec import default_scale, kernel_spec, next_pow2
 
 try:  # Gluon (triton.experimental) tensor-core path; optional
     from . import decode_mma
 except ImportError:  # pragma: no cover - older triton without Gluon
     decode_mma = None
-from ._spec import default_scale, kernel_spec, next_pow2
 
 @triton.jit
 def _raw_field(cache_ptr, pbase, tip, ok, BS: tl.constexpr, OFF: tl.constexpr, W: tl.constexpr,
@@ -596,7 +596,8 @@ def _num_sms(device) -> int:
 # tokens / 2 warps (~235 registers: 4 programs per SM), asm values with byte-wise keys at
 # 32 tokens / 1 warp, the byte-wise paths at 4 warps and the largest tile that does not spill
 # (_block_n). Triton's own pipelining (num_stages > 1) routes the centroid gathers through
-# shared memory and is 3-4x slower.
+# shared memory and is 3-4x slower. MMA: the tensor-core kernel where it applies
+# (decode_mma.supported); mma_programs_per_sm / mma_prefetch None: chosen per call (_decode_mma).
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": None}
@@ -623,7 +624,14 @@ def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
 def _asm_meta(spec, on: bool) -> dict:
     """Which fields take the inline-asm conversions (kernels/_asm.py; never under the
     interpreter): 3-bit key fields (column-major words), 4-bit uniform values and 3-bit values
-    (tq centroids or uniform codes) whose token rows are whole int32 words."""
+    (tq centroids or uniform codes) whose token rows are whole int32 words. Cached on the spec:
+    the asm texts are built once, not on every call."""
+    if on not in spec.asm_meta:
+        spec.asm_meta[on] = _build_asm_meta(spec, on)
+    return spec.asm_meta[on]
+
+
+def _build_asm_meta(spec, on: bool) -> dict:
     meta = {}
     keys = spec.key_fields + [None] * (2 - len(spec.key_fields))
     for i, f in enumerate(keys):

@@ -1,7 +1,7 @@
 """Per-kernel GPU time of one decode call (torch.profiler, CUDA activity), to see where the
 time of a small decode step goes (query rotation, split kernel, merge).
 
-    PYTHONPATH=. python3 bench/decode_profile.py --shape 8x16384 [--preset P] [--tune JSON]
+    PYTHONPATH=. python3 bench/decode_profile.py --shape 8x16384 [--preset P] [--tune JSON] [--new-kv]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--preset", default="turboquant_k3v4_nc")
     ap.add_argument("--tune", type=json.loads, default={})
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--new-kv", action="store_true",
+                    help="the step's new K/V stored inside the decode call (new_kv)")
     args = ap.parse_args()
     print(json.dumps({**environment(), "command": "python3 " + " ".join(sys.argv)}), flush=True)
     b, l = map(int, args.shape.split("x"))
@@ -36,12 +38,16 @@ def main() -> None:
     cache = fill_cache(codec, k, v, 8)
     lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
+    tune = dict(args.tune)
+    if args.new_kv:
+        kn, vn = torch.randn(2, b, 8, 128, dtype=q.dtype, device="cuda")
+        tune["new_kv"] = (kn, vn, bt[:, -1].long() * 16 + 15)
     for _ in range(3):
-        decode_attention_triton(codec, q, cache, bt, lens, out=out, **args.tune)
+        decode_attention_triton(codec, q, cache, bt, lens, out=out, **tune)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.reps):
-            decode_attention_triton(codec, q, cache, bt, lens, out=out, **args.tune)
+            decode_attention_triton(codec, q, cache, bt, lens, out=out, **tune)
         torch.cuda.synchronize()
     print(f"B={b} L={l} {args.preset} {args.tune}: per call, µs")
     total = 0.0

@@ -91,7 +91,7 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16):
     fn = decode_mma._decode_mma_kernel
     cex = dict(GROUP=group, HK=8, BS=block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
                V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
-               PREFETCH=prefetch, WRITE_LSE=False)
+               PREFETCH=prefetch, WRITE_LSE=False, PDL=True, EARLY=True)
     ptrs = {"q_ptr": "*fp16", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
             "po_ptr": "*fp32", "plse_ptr": "*fp32", "tab_ptr": "*i32", "out_ptr": "*bf16",
             "lse_ptr": "*fp32", "count_ptr": "*i32"}
@@ -99,7 +99,8 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16):
                                     {"sq_r", "sq_h", "sc_b", "sc_h", "sbt"})
     kernel = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 1, "maxnreg": decode_mma.MAXNREG[prefetch]})
+                            options={"num_warps": 1, "maxnreg": decode_mma.MAXNREG[prefetch],
+                                     "launch_pdl": True})
     return kernel, {"num_warps": 1, "BLOCK_N": decode_mma.TILE.value}
 
 
@@ -140,10 +141,11 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 
 def occupancy(res: dict[str, int], warps: int, shared: int) -> int:
-    """Programs resident per sm_90 SM: 64K registers, 228 KB shared, 64 warps."""
-    regs = res["reg"] * 32 * warps
+    """Programs resident per sm_90 SM: four 16K-register banks (one per scheduler) holding
+    whole warps, 228 KB shared, 64 warps."""
+    per_bank = 16384 // max(32 * (-(-res["reg"] // 8) * 8), 1)
     smem = max(res.get("shared", 0), shared)
-    return min(65536 // max(regs, 1), 233472 // max(smem, 1) if smem else 64, 64 // warps)
+    return min(4 * per_bank // warps, 233472 // max(smem, 1) if smem else 64, 64 // warps)
 
 
 def opcode(ins: str) -> str:

@@ -1,6 +1,7 @@
 """Store and dequant kernel configurations at prefill sizes (H200), to pick their defaults.
 
-store: one step of N new tokens (8 KV heads, head size 128) for several rows-per-program;
+store: one step of N new tokens (8 KV heads, head size 128) for several rows-per-program, and
+at decode sizes (--decode: N = 8..128) for several rotation chunks / warps;
 dequant: an 8K compressed prefix of B sequences → bf16 K/V for several (tokens per program,
 warps). Same timing as the other benchmarks (CUDA-graph replay, L2 flushed, median).
 
@@ -27,12 +28,28 @@ from tqattn.quant.codec import TQCodec  # noqa: E402
 HK, D, BS = 8, 128, 16
 
 
-def time_store(timer, codec, n, rows_per_program):
+def time_store(timer, codec, n, rows_per_program, **tune):
     nb = n // BS + 1
     cache = torch.zeros(paged.kv_cache_shape(nb, BS, HK, codec), dtype=torch.uint8, device="cuda")
     k, v = torch.randn(2, n, HK, D, device="cuda", dtype=torch.bfloat16)
     slots = torch.randperm(nb * BS, device="cuda")[:n]
-    return timer.graph_us(lambda: store_kv_triton(codec, k, v, cache, slots, rows_per_program))
+    return timer.graph_us(lambda: store_kv_triton(codec, k, v, cache, slots, rows_per_program,
+                                                  **tune))
+
+
+def profiled_store_us(codec, n, reps=50):
+    from torch.profiler import ProfilerActivity, profile
+    nb = n // BS + 1
+    cache = torch.zeros(paged.kv_cache_shape(nb, BS, HK, codec), dtype=torch.uint8, device="cuda")
+    k, v = torch.randn(2, n, HK, D, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(nb * BS, device="cuda")[:n]
+    store_kv_triton(codec, k, v, cache, slots)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            store_kv_triton(codec, k, v, cache, slots)
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages()) / reps
 
 
 def time_dequant(timer, codec, batch, ctx, block_n, warps):
@@ -53,10 +70,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="turboquant_k3v4_nc")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--decode", action="store_true", help="only the decode-size store sweep")
     args = ap.parse_args()
     codec = TQCodec(args.preset, D)
     timer = Timer()
     rows = []
+    if args.decode:
+        # the method's floor: one trivial kernel, timed the same way
+        tiny = torch.zeros(1, device="cuda")
+        r = {"kernel": "floor (one 1-element kernel)", **timer.graph_us(lambda: tiny.add_(1))}
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        for n in (32,):
+            r = {"kernel": "store (profiler: kernel time, no flush)", "tokens": n,
+                 "us": profiled_store_us(codec, n)}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        for n in (8, 32, 128):
+            for bk, w in ((32, 4), (64, 4), (128, 8)):
+                r = {"kernel": "store", "tokens": n, "rows_per_program": 16, "block_k": bk,
+                     "num_warps": w, **time_store(timer, codec, n, 16, block_k=bk, num_warps=w)}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+        _save(args, rows)
+        return
     for n in (32, 2048, 16384):
         for hb in (16, 32, 64, 128):
             r = {"kernel": "store", "tokens": n, "rows_per_program": hb,
@@ -70,6 +107,10 @@ def main():
             r["gbs_out"] = 2 * batch * 8192 * HK * D * 2 / r["us"] / 1e3
             rows.append(r)
             print(json.dumps(r), flush=True)
+    _save(args, rows)
+
+
+def _save(args, rows):
     if args.out:
         env = environment()
         with open(args.out, "w") as f:

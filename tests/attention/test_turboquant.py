@@ -30,8 +30,10 @@ MIXED = [(20, 1), (7, 1), (32, 10), (0, 40), (16, 20), (40, 150)]
 UNORDERED = [(0, 30), (20, 1), (5, 9), (3, 1), (0, 1)]
 
 
-def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, threshold=None, device="cpu"):
-    """Store every request's history, run one step; return (out, reference, ...).
+def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, threshold=None, device="cpu",
+             fused=False):
+    """Store every request's history, run one step; return (out, reference, ...). fused: the
+    step through ``store_and_forward`` (decode-only steps store inside the decode).
 
     Reference = the rule: tokens of earlier steps decoded from their stored slots, the chunk
     raw; a one-token chunk reads its own (stored) token compressed too.
@@ -52,8 +54,11 @@ def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, threshold=None, device=
 
     q, k, v = random_qkv(batch.common.num_actual_tokens + pad, s, gen, device=device)
     md = builder.build(batch.common)
-    impl.store(k, v, kv_cache, md)
-    out = impl.forward(q, k, v, kv_cache, md).cpu()
+    if fused:
+        out = impl.store_and_forward(q, k, v, kv_cache, md).cpu()
+    else:
+        impl.store(k, v, kv_cache, md)
+        out = impl.forward(q, k, v, kv_cache, md).cpu()
     q, k, v = q.cpu(), k.cpu(), v.cpu()
 
     codec = impl.codec()
@@ -101,6 +106,25 @@ def test_paths_taken():
     # A sliding window dequantizes only whole blocks some query of the chunk can see.
     _, _, md, _ = run_step(spec(kv=P, window=8), LONG)
     assert md.long[8].seq_lens.tolist() == [40 - 32, 3]
+
+
+@pytest.mark.parametrize("reqs", [DECODES, MIXED], ids=["decode_only", "mixed"])
+def test_store_and_forward(monkeypatch, reqs):
+    """One call instead of store + forward: decode-only steps hand the new K/V to the decode
+    (which stores them first), other steps store then attend; same result, padding stays 0."""
+    from tqattn import kernels
+    seen = []
+    real = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention",
+                        lambda *a, **kw: seen.append(kw.get("new_kv")) or real(*a, **kw))
+    out, ref, md, batch = run_step(spec(kv=P), reqs, pad=3, fused=True)
+    n = batch.common.num_actual_tokens
+    check(out[:n], ref[:n])
+    assert out[n:].abs().max() == 0
+    fused = seen[-1] is not None
+    assert fused == (reqs is DECODES)
+    if fused:
+        assert seen[-1][0].shape[0] == n and seen[-1][2].tolist() == md.slot_mapping[:n].tolist()
 
 
 def test_padding_rows_are_zero():
@@ -186,11 +210,13 @@ def force_triton(monkeypatch, modules):
 @pytest.mark.parametrize("reqs,threshold,window,softcap,modules", [
     # decodes, fresh prompts, short continuations: store + decode kernels
     ([(0, 1), (9, 1), (0, 5), (6, 3), (4, 5)], None, None, 0.0, ("store", "decode")),
+    # decodes only: the decode call stores the step's K/V (store_and_forward)
+    ([(0, 1), (9, 1), (17, 1)], None, None, 0.0, ("store", "decode")),
     # decode, short and long continuations, window and soft-cap: + the dequant kernel
     ([(9, 1), (6, 3), (18, 4)], 2, 4, 2.0, ("store", "decode", "dequant")),
-], ids=["store_decode", "with_dequant"])
+], ids=["store_decode", "decode_only_fused", "with_dequant"])
 def test_triton_kernels(monkeypatch, reqs, threshold, window, softcap, modules):
     force_triton(monkeypatch, modules)
     s = spec(kv=P, hq=4, hk=2, d=16, window=window, softcap=softcap)
-    out, ref, *_ = run_step(s, reqs, threshold=threshold)
+    out, ref, *_ = run_step(s, reqs, threshold=threshold, fused=True)
     check(out, ref, atol=2e-3)

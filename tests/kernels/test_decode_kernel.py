@@ -105,29 +105,31 @@ def test_rotate_query():
 
 def test_mma_dispatch_plumbing(monkeypatch):
     """The tensor-core path's host side (kernel launch stubbed: it needs a GPU): split count =
-    one wave at one below the resident programs, prefetch by B·Hk, outputs allocated in q's
+    one wave of the resident programs, prefetch by B·Hk, outputs allocated in q's
     dtype, LSE only on request, the rotated query as the kernel sees it."""
     from tqattn.kernels import decode, decode_mma
     from tqattn.kernels.qrot import rotate_query_ref
     calls = []
     monkeypatch.setattr(decode_mma, "supported", lambda spec, q, group, plain: plain)
     monkeypatch.setattr(decode_mma, "programs_per_sm", lambda *a: 7)
-    monkeypatch.setattr(decode_mma, "launch", lambda *a: calls.append(a))
+    monkeypatch.setattr(decode_mma, "launch", lambda *a, **kw: calls.append(a + (kw,)))
+    monkeypatch.setattr(decode_mma, "pdl_supported", lambda device: False)  # as on sm_80
     codec = TQCodec("turboquant_k3v4_nc", 128)
     cache, bt, seq_lens = filled_cache(codec, [40, 9], 2, 16)
     q = torch.randn(2, 8, 128, dtype=torch.bfloat16)
     out, lse = decode.decode_attention_triton(codec, q, cache, bt, seq_lens, return_lse=True)
-    (spec, qk, _, _, _, part, plse, o, l, group, splits, prefetch), = calls
+    (spec, qk, _, _, _, part, plse, o, l, group, splits, prefetch, pdl, kw), = calls
     assert o is out and l is lse and out.dtype == torch.bfloat16 and lse.shape == (2, 8)
     # 4 "SMs" on CPU: B·Hk = 4 fills them, so the words of the next tile are prefetched
-    assert (group, splits, prefetch) == (4, (7 - 1) * 4 // (2 * 2), True)
+    assert (group, splits, prefetch, pdl, kw) == (4, 7 * 4 // (2 * 2), True, False,
+                                                  {"early_loads": True})
     assert part.shape == (2, 8, splits, 128) and plse.shape == (2, 8, splits)
     r = decode_mma._tables(spec, q.device)[1]
     want = rotate_query_ref(q, r, 1.4426950408889634 / math.sqrt(128))
     assert qk.dtype == torch.float16 and rel_err(qk.float(), want.float()) < 1e-3
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, mma_prefetch=False,
                                    num_splits=3)
-    assert calls[-1][-2:] == (3, False) and calls[-1][8] is None
+    assert calls[-1][-4:-1] == (3, False, False) and calls[-1][8] is None
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, window=8, num_splits=3,
                                    BLOCK_N=16)
     assert len(calls) == 2  # windows run the Triton kernel

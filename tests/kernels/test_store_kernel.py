@@ -102,3 +102,30 @@ def test_fp8_encoding_edge_values():
     k[0, 0, :special.numel()] = special
     a, b = _store_both(codec, k, torch.randn(1, 1, 64), torch.tensor([5]), 1, 16, 1)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", [0, 5, 40])
+def test_store_kv_and_rotate_query(n):
+    """The decode step's prologue: the store's bytes and the query rotation's output are those
+    of the two separate kernels, whatever the two parts' program counts (n = 0: nothing to
+    store, the query is still rotated)."""
+    from tqattn.kernels.qrot import rotate_query_ref
+    from tqattn.kernels.store import store_kv_and_rotate_query
+    codec = TQCodec("turboquant_k3v4_nc", 64)
+    hk, nb, bs = 2, 6, 16
+    k, v = torch.randn(n, hk, 64) * 2, torch.randn(n, hk, 64)
+    slots = torch.randperm(nb * bs)[:n]
+    if n:
+        slots[n // 2] = -1
+    q = torch.randn(3, 8, 64, dtype=torch.bfloat16)
+    r = torch.linalg.qr(torch.randn(64, 64))[0].contiguous()
+    init = torch.randint(0, 256, paged.kv_cache_shape(nb, bs, hk, codec), dtype=torch.uint8)
+    want, fused = init.clone(), init.clone()
+    paged.store_ref(codec, k, v, want, slots)
+    qk = store_kv_and_rotate_query(codec, k, v, fused, slots, q, r, 0.7)
+    assert torch.equal(fused, want)
+    assert qk.dtype == torch.float16 and qk.shape == q.shape
+    ref = rotate_query_ref(q, r, 0.7)
+    assert (qk.float() - ref.float()).abs().max() <= 1e-3 * ref.float().abs().max()
+    with pytest.raises(ValueError, match="contiguous"):
+        store_kv_and_rotate_query(codec, k, v, fused, slots, q, r.t(), 0.7)

@@ -116,6 +116,12 @@ class AttentionImpl(ABC):
                 kv_cache: torch.Tensor, metadata) -> torch.Tensor:
         """Attention output (T, Hq, D) in the query's dtype; called after :meth:`store`."""
 
+    def store_and_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          kv_cache: torch.Tensor, metadata) -> torch.Tensor:
+        """:meth:`store` then :meth:`forward`; a backend may fuse the two (same result)."""
+        self.store(key, value, kv_cache, metadata)
+        return self.forward(query, key, value, kv_cache, metadata)
+
 
 class AttentionMetadataBuilder(ABC):
     """Builds a backend's metadata for one KV-cache group, once per step.

@@ -214,6 +214,21 @@ class TurboQuantImpl(AttentionImpl):
         _kernels().store_kv(self.codec(kv_cache.device), key[:n], value[:n], kv_cache,
                             metadata.slot_mapping[:n])
 
+    def store_and_forward(self, query, key, value, kv_cache, metadata: TurboQuantMetadata):
+        md = metadata
+        n = md.num_actual_tokens
+        if md.num_prefills or md.token_perm is not None or md.num_decodes != n:
+            return super().store_and_forward(query, key, value, kv_cache, metadata)
+        # a decode-only step: the store runs inside the decode's first launch (kernels/decode)
+        out = torch.empty_like(query)
+        out[n:].zero_()
+        o = self._decode(self.codec(query.device), query[:n], kv_cache, md.decode_block_table,
+                         md.decode_seq_lens, out=out[:n],
+                         new_kv=(key[:n], value[:n], md.slot_mapping[:n]))
+        if o.data_ptr() != out.data_ptr():  # the reference path returns a new fp32 tensor
+            out[:n].copy_(o)
+        return out
+
     def forward(self, query, key, value, kv_cache, metadata: TurboQuantMetadata):
         md = metadata
         n, nd = md.num_actual_tokens, md.num_decodes

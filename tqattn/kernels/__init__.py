@@ -57,10 +57,12 @@ def store_kv(codec, key, value, kv_cache, slot_mapping) -> None:
 
 def decode_attention(codec, q, kv_cache, block_table, seq_lens, query_start_loc=None,
                      query_pos_start=None, scale=None, window=None, softcap=0.0,
-                     return_lse=False, max_query_len=None, **kwargs):
+                     return_lse=False, max_query_len=None, new_kv=None, **kwargs):
     """Attention over the compressed paged cache; row semantics in :mod:`tqattn.quant.paged`.
 
-    Returns q.dtype output on the Triton path, fp32 on the reference path.
+    ``new_kv`` = (key, value, slot_mapping): store these first (:func:`store_kv`), fused with
+    the decode's first launch where the kernels allow. Returns q.dtype output on the Triton
+    path, fp32 on the reference path.
     """
     if _use_triton(q):
         mod = _triton_module("decode")
@@ -68,9 +70,12 @@ def decode_attention(codec, q, kv_cache, block_table, seq_lens, query_start_loc=
             try:
                 return mod.decode_attention_triton(
                     codec, q, kv_cache, block_table, seq_lens, query_start_loc, query_pos_start,
-                    scale, window, softcap, return_lse, max_query_len=max_query_len, **kwargs)
+                    scale, window, softcap, return_lse, max_query_len=max_query_len,
+                    new_kv=new_kv, **kwargs)
             except NotImplementedError as e:
                 _fallback(f"decode {codec.preset.name}", e)
+    if new_kv is not None:  # (again, if the Triton call stored before it gave up: idempotent)
+        store_kv(codec, new_kv[0], new_kv[1], kv_cache, new_kv[2])
     return paged.decode_attention_ref(codec, q, kv_cache, block_table, seq_lens, query_start_loc,
                                       query_pos_start, scale, window, softcap, return_lse)
 

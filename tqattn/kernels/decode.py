@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
-from . import _asm, _tl
+from . import _asm, _tl, store
 from ._spec import default_scale, kernel_spec, next_pow2
 
 try:  # Gluon (triton.experimental) tensor-core path; optional
@@ -597,10 +597,11 @@ def _num_sms(device) -> int:
 # 32 tokens / 1 warp, the byte-wise paths at 4 warps and the largest tile that does not spill
 # (_block_n). Triton's own pipelining (num_stages > 1) routes the centroid gathers through
 # shared memory and is 3-4x slower. MMA: the tensor-core kernel where it applies
-# (decode_mma.supported); mma_programs_per_sm / mma_prefetch None: chosen per call (_decode_mma).
+# (decode_mma.supported); mma_programs_per_sm / mma_prefetch / mma_pdl None: chosen per call
+# (_decode_mma).
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
-            "mma_programs_per_sm": None, "mma_prefetch": None}
+            "mma_programs_per_sm": None, "mma_prefetch": None, "mma_pdl": None}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -661,20 +662,30 @@ def _block_n(spec) -> int:
 
 
 def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num_splits, out,
-                return_lse):
-    """The tensor-core path (kernels/decode_mma.py): query rotation kernel + one decode launch
-    whose last split per group writes ``out`` (and the LSE)."""
+                return_lse, new_kv=None):
+    """The tensor-core path (kernels/decode_mma.py): query rotation kernel (with the store of
+    ``new_kv``, if any) + one decode launch whose last split per group writes ``out`` (and the
+    LSE)."""
     rows, hq, d = q.shape
     batch, hk = seq_lens.numel(), kv_cache.shape[1]
-    qk = decode_mma.rotated_query(spec, q, scale)
+    pdl = cfg["mma_pdl"]
+    if pdl is None:  # the decode kernel starts during the rotation kernel (sm_90+)
+        pdl = decode_mma.pdl_supported(q.device)
+    if new_kv is None:
+        qk = decode_mma.rotated_query(spec, q, scale, pdl)
+    else:
+        qk = store.store_kv_and_rotate_query(spec.codec, *new_kv[:2], kv_cache, new_kv[2], q,
+                                             *decode_mma.query_rotation(spec, q.device, scale),
+                                             launch_dependents=pdl)
     prefetch = cfg["mma_prefetch"]
     if prefetch is None:  # long splits (B·Hk fills the SMs): prefetch pays for its registers
         prefetch = batch * hk >= _num_sms(q.device)
     if num_splits is None:
-        # one wave of one-warp programs (a partial last wave idles most SMs), one below the
-        # register limit (measured: a full SM ran as if a second wave were needed)
-        per_sm = cfg["mma_programs_per_sm"] or max(1, decode_mma.programs_per_sm(
-            spec, qk, kv_cache, block_table, seq_lens, group, prefetch) - 1)
+        # exactly one wave of one-warp programs: a partial second wave idles most SMs
+        # (bench/results/decode_tune_s6_2_h200_prelim.md: 13 programs per SM where 12 fit
+        # took 84 µs at B = 8, 16K; 12: 67 µs)
+        per_sm = cfg["mma_programs_per_sm"] or decode_mma.programs_per_sm(
+            spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, new_kv is None)
         num_splits = max(1, min(64, per_sm * _num_sms(q.device) // (batch * hk)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -682,7 +693,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
     decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                      num_splits, prefetch)
+                      num_splits, prefetch, pdl, early_loads=new_kv is None)
     return (out, lse) if return_lse else out
 
 
@@ -693,8 +704,13 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
                             scale: float | None = None, window: int | None = None,
                             softcap: float = 0.0, return_lse: bool = False,
                             max_query_len: int | None = None, num_splits: int | None = None,
-                            out: torch.Tensor | None = None, **tune):
+                            out: torch.Tensor | None = None, new_kv: tuple | None = None,
+                            **tune):
     """Triton decode attention; arguments and row semantics as decode_attention_ref.
+
+    ``new_kv`` = (key, value, slot_mapping): the step's new K/V, stored first (as
+    :func:`tqattn.kernels.store.store_kv_triton`); on the tensor-core path the store and the
+    query rotation are one launch (``store_kv_and_rotate_query``).
 
     ``max_query_len`` (rows per sequence, 1 without ``query_start_loc``) fixes the grid; when
     omitted with ``query_start_loc`` it is read from the device (a host sync — pass it under CUDA
@@ -727,7 +743,10 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
            and decode_mma.supported(spec, q, group, plain))
     if mma:
         return _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens,
-                           default_scale(codec, scale), group, num_splits, out, return_lse)
+                           default_scale(codec, scale), group, num_splits, out, return_lse,
+                           new_kv)
+    if new_kv is not None:
+        store.store_kv_triton(codec, new_kv[0], new_kv[1], kv_cache, new_kv[2])
     lut, rot = spec.tables_on(q.device)
     qk = q if spec.meta["K_FP8"] else (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
     if num_splits is None:

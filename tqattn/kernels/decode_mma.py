@@ -28,11 +28,12 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
   range below ~3800 within one token's head vector; the Triton kernel, with ``p ≤ 1``, allows
   256x more).
 
-Launch: one warp per (sequence, KV head, split); the split count fills one wave of programs at
-one below the resident count that the compiled kernel's registers allow (programs_per_sm);
-with B·Hk ≥ #SMs the words of tile t+1 are loaded while tile t is computed (216 registers,
-9 programs per SM), else not (168, 12 per SM). Measured (H200, bench/results/decode_h200_s5_2.md):
-0.31-0.50x bf16 FA3's time at >= 16K context, 58-69 % of the copy rate at B·context ≥ 512K.
+Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
+programs that the compiled kernel's registers let an SM hold (programs_per_sm), splits differ
+by at most one tile; with B·Hk ≥ #SMs the words of tile t+1 are loaded while tile t is computed
+(214 registers, 8 programs per SM), else not (148, 12 per SM). With programmatic dependent
+launch (sm_90+) the kernel's prologue overlaps the query rotation kernel. Measured (H200):
+bench/results/decode_h200_s6.md.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ _OP_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_w
 _OP_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA.value, k_width=2))
 _LANE = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 _ML = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))     # [8 heads, 128] merge
+_LSE = gl.constexpr(gl.BlockedLayout([1, 2], [1, 32], [1, 1], [1, 0]))    # [8 heads, 64 splits]
+MAX_SPLITS = gl.constexpr(64)
 _ROWS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
 _HEADS = gl.constexpr(gl.SliceLayout(0, _MMA.value))
 
@@ -169,18 +172,26 @@ def _load8(p):
 
 
 @gluon.jit
-def _load_tile(t, seq_len, bt_row, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
-               KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
-               VZ_OFF: gl.constexpr):
-    """The lane's raw words of tile t: 12 key words, 16 value words, 24 fp16 scalars. Pages
-    hold >= 16 tokens and tiles start at page boundaries, so each lane reads one page per role;
-    pages past the sequence read as page 0 (finite codes; their tokens are masked)."""
+def _pages(t, seq_len, bt_row, lane, BS: gl.constexpr):
+    """The lane's two page indices in tile t (key rows 8g.., value rows 16t..); past the
+    sequence: page 0 (finite codes; those tokens are masked)."""
     tg = t * TILE + 8 * (lane // 4)
     tt = t * TILE + 16 * (lane % 4)
-    pg = gl.load(bt_row + tg // BS, mask=tg < seq_len, other=0)
-    pv = gl.load(bt_row + tt // BS, mask=tt < seq_len, other=0)
-    pg = page0 + pg.to(gl.int64) * sc_b
-    pv = page0 + pv.to(gl.int64) * sc_b
+    return (gl.load(bt_row + tg // BS, mask=tg < seq_len, other=0),
+            gl.load(bt_row + tt // BS, mask=tt < seq_len, other=0))
+
+
+@gluon.jit
+def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
+               KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
+               VZ_OFF: gl.constexpr):
+    """The lane's raw words of tile t (pages: :func:`_pages` of t): 12 key words, 16 value
+    words, 24 fp16 scalars. Pages hold >= 16 tokens and tiles start at page boundaries, so each
+    lane reads one page per role."""
+    tg = t * TILE + 8 * (lane // 4)
+    tt = t * TILE + 16 * (lane % 4)
+    pg = page0 + pages[0].to(gl.int64) * sc_b
+    pv = page0 + pages[1].to(gl.int64) * sc_b
     kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
     vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
     sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.float16))
@@ -236,27 +247,47 @@ def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.c
 
 
 @gluon.jit
+def _split_part(po_ptr, plse_ptr, lrow, prow, dd, hm, s, spo_s, NUM_SPLITS):
+    ok = hm & (s < NUM_SPLITS)
+    return (gl.load(plse_ptr + lrow + s, mask=ok, other=float("-inf")),
+            gl.load(po_ptr + (prow + s * spo_s)[:, None] + dd[None, :], mask=ok[:, None],
+                    other=0.0))
+
+
+@gluon.jit
 def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s, spl_r, spl_h,
                  so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr):
-    """The group's split outputs → its final rows (the math of decode._merge_kernel)."""
+    """The group's split outputs → its final rows (the math of decode._merge_kernel). Loads
+    are batched (all LSEs at once, then 4 splits per step): this runs on the
+    critical path's tail, where one dependent L2 round trip per split would dominate."""
     hh = gl.arange(0, 8, layout=gl.SliceLayout(1, _ML))
     dd = gl.arange(0, 128, layout=gl.SliceLayout(0, _ML))
     heads = kvh * GROUP + hh
     hm = hh < GROUP
     lrow = b.to(gl.int64) * spl_r + heads * spl_h
     prow = b.to(gl.int64) * spo_r + heads * spo_h
-    mx = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, _ML))
-    for s in range(NUM_SPLITS):
-        mx = gl.maximum(mx, gl.load(plse_ptr + lrow + s, mask=hm, other=float("-inf")))
+    hl = gl.arange(0, 8, layout=gl.SliceLayout(1, _LSE))
+    sl = gl.arange(0, MAX_SPLITS, layout=gl.SliceLayout(0, _LSE))
+    lse_all = gl.load(plse_ptr + (b.to(gl.int64) * spl_r + (kvh * GROUP + hl) * spl_h)[:, None]
+                      + sl[None, :], mask=(hl < GROUP)[:, None] & (sl < NUM_SPLITS)[None, :],
+                      other=float("-inf"))
+    mx = gl.convert_layout(gl.max(lse_all, axis=1), gl.SliceLayout(1, _ML))
     mx_use = gl.where(mx == float("-inf"), 0.0, mx)
     acc = gl.zeros([8, 128], gl.float32, layout=_ML)
     tot = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, _ML))
-    for s in range(NUM_SPLITS):
-        w = gl.exp(gl.load(plse_ptr + lrow + s, mask=hm, other=float("-inf")) - mx_use)
-        part = gl.load(po_ptr + (prow + s * spo_s)[:, None] + dd[None, :],
-                       mask=(hm & (w > 0.0))[:, None], other=0.0)
-        acc += part * w[:, None]
-        tot += w
+    # every split wrote its part (zeros when it had no tokens), so the part loads need no mask
+    # on the weight and all loads of a step are independent
+    for s0 in range(0, NUM_SPLITS, 4):
+        w0, p0 = _split_part(po_ptr, plse_ptr, lrow, prow, dd, hm, s0, spo_s, NUM_SPLITS)
+        w1, p1 = _split_part(po_ptr, plse_ptr, lrow, prow, dd, hm, s0 + 1, spo_s, NUM_SPLITS)
+        w2, p2 = _split_part(po_ptr, plse_ptr, lrow, prow, dd, hm, s0 + 2, spo_s, NUM_SPLITS)
+        w3, p3 = _split_part(po_ptr, plse_ptr, lrow, prow, dd, hm, s0 + 3, spo_s, NUM_SPLITS)
+        w0 = gl.exp(w0 - mx_use)
+        w1 = gl.exp(w1 - mx_use)
+        w2 = gl.exp(w2 - mx_use)
+        w3 = gl.exp(w3 - mx_use)
+        acc += p0 * w0[:, None] + p1 * w1[:, None] + p2 * w2[:, None] + p3 * w3[:, None]
+        tot += w0 + w1 + w2 + w3
     o = acc / gl.where(tot > 0.0, tot, 1.0)[:, None]
     orow = b.to(gl.int64) * so_r + heads * so_h
     gl.store(out_ptr + orow[:, None] + dd[None, :], o.to(out_ptr.dtype.element_ty),
@@ -277,24 +308,18 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
-                       WRITE_LSE: gl.constexpr):
+                       WRITE_LSE: gl.constexpr, PDL: gl.constexpr, EARLY: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HK
     kvh = pid % HK
     seq_len = gl.load(seqlen_ptr + b)
     n_tiles = gl.cdiv(seq_len, TILE)
-    per_split = gl.cdiv(n_tiles, NUM_SPLITS)
-    t0 = split * per_split
-    t1 = gl.minimum(t0 + per_split, n_tiles)
+    # balanced: split sizes differ by at most one tile (the slowest SM sets the wave's time)
+    t0 = split * n_tiles // NUM_SPLITS
+    t1 = (split + 1) * n_tiles // NUM_SPLITS
     # tiles [t0, t_mid) are full; t_mid < t1 is the sequence's partial last tile
     t_mid = gl.maximum(t0, gl.minimum(t1, seq_len // TILE))
-
-    # the rotated, scaled fp16 query (kernels/qrot.py, columns in operand order) as Qᵀ
-    kq = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
-    hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
-    q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
-    qb = gl.load(q_ptr + q_rows[None, :] + kq[:, None], mask=(hq < GROUP)[None, :], other=0.0)
 
     lane = gl.arange(0, 32, layout=_LANE)
     # one copy of the table per lane: a warp-uniform load would put it in uniform registers,
@@ -306,29 +331,56 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     rho = gl.arange(0, TILE, layout=_ROWS)
     tau = 8 * (rho % 8) + rho // 8
 
+    # EARLY: the first tile's words are loaded before the wait (the cache does not depend on
+    # the rotation kernel). Without PREFETCH the page indices run one tile ahead of the words,
+    # so a block-table miss never waits in line before a tile's word loads
+    if EARLY:
+        kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
+                                BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
+    pages = _pages(t0 + 1, seq_len, bt_row, lane, BS)
+    if PDL:
+        # launched as a programmatic dependent of the rotation kernel: everything above
+        # overlaps its tail; the query (its output) is read only after the grid dependency
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    if not EARLY:
+        kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
+                                BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
+    # the rotated, scaled fp16 query (kernels/qrot.py, columns in operand order) as Qᵀ
+    kq = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
+    hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
+    q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
+    qb = gl.load(q_ptr + q_rows[None, :] + kq[:, None], mask=(hq < GROUP)[None, :], other=0.0)
+
     # a finite "-inf": the first tile always takes the rescale branch (alpha = 0)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
     l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
     z_p = l_p
     acc = gl.zeros([128, 8], gl.float32, layout=_MMA)
-    # software pipeline: the words of tile t+1 are in flight while tile t is computed
-    kw, vw, sc = _load_tile(t0, seq_len, bt_row, page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
-                            VS_OFF, VZ_OFF)
-    for t in range(t0, t_mid):
-        if PREFETCH:
-            kw_n, vw_n, sc_n = _load_tile(t + 1, seq_len, bt_row, page0, lane, sc_b, BS, K_OFF,
-                                          KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-        else:
-            kw, vw, sc = _load_tile(t, seq_len, bt_row, page0, lane, sc_b, BS, K_OFF, KN_OFF,
-                                    V_OFF, VS_OFF, VZ_OFF)
-        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                   False)
-        if PREFETCH:
+    # PREFETCH: the words of tile t+1 are in flight while tile t is computed; else each tile
+    # loads its own, except the first (loaded before the wait: its tile is peeled)
+    if PREFETCH:  # (page indices one tile ahead here too: 202 vs 176 µs at B = 32, 16K)
+        for t in range(t0, t_mid):
+            kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane, BS),
+                                          page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
+                                          VZ_OFF)
+            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
+                                       False)
             kw, vw, sc = kw_n, vw_n, sc_n
+    elif t0 < t_mid:
+        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t0, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
+                                   False)
+        for t in range(t0 + 1, t_mid):
+            kw, vw, sc = _load_tile(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
+                                    VS_OFF, VZ_OFF)
+            pages = _pages(t + 1, seq_len, bt_row, lane, BS)
+            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
+                                       False)
     if t_mid < t1:
         if not PREFETCH:
-            kw, vw, sc = _load_tile(t_mid, seq_len, bt_row, page0, lane, sc_b, BS, K_OFF,
-                                    KN_OFF, V_OFF, VS_OFF, VZ_OFF)
+            if t0 < t_mid:  # else the words loaded before the wait are this tile's
+                kw, vw, sc = _load_tile(t_mid, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF,
+                                        V_OFF, VS_OFF, VZ_OFF)
         m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
                                    True)
 
@@ -368,7 +420,7 @@ def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
 
 
 def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
-          prefetch):
+          prefetch, pdl, early):
     m = spec.meta
     kf = spec.key_fields[0]
     groups = seq_lens.numel() * kv_cache.shape[1]
@@ -380,51 +432,73 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
             _counters(qk.device, groups), num_splits)
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
-                VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, WRITE_LSE=lse is not None, num_warps=1,
+                VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, WRITE_LSE=lse is not None, PDL=pdl,
+                EARLY=early or not pdl, launch_pdl=pdl, num_warps=1,
                 maxnreg=MAXNREG[bool(prefetch)])
     return args, meta
 
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
-# SM without prefetch, 9 with the prefetched words of the next tile
+# SM without prefetch (148 registers), 8 with the prefetched words of the next tile (214)
 MAXNREG = {False: 168, True: 216}
 _RESIDENT: dict = {}
 
 
-def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int,
-                    prefetch: bool) -> int:
-    """One-warp programs an SM holds at once, from the compiled kernel's register count (the
-    split count is chosen to fill whole waves of them)."""
-    key = (id(spec), group, kv_cache.shape[1], prefetch, qk.dtype, str(qk.device))
+def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool,
+                    pdl: bool, early_loads: bool) -> int:
+    """One-warp programs an SM holds at once, from the register count of the kernel variant
+    that :func:`launch` runs with these flags (the split count fills one wave of them)."""
+    key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, qk.dtype,
+           str(qk.device))
     if key not in _RESIDENT:
         part = torch.empty(*qk.shape[:2], 16, qk.shape[2], device=qk.device)
         plse = torch.empty(*qk.shape[:2], 16, device=qk.device)
         out = torch.empty(qk.shape, dtype=torch.bfloat16, device=qk.device)
         args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, None,
-                           group, 16, prefetch)
+                           group, 16, prefetch, pdl, early_loads)
         kernel = _decode_mma_kernel.warmup(*args, grid=(1, 1), **meta)
         try:
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
             regs = -(-int(kernel.n_regs) // 8) * 8
         except (AttributeError, TypeError):  # another triton: the sm_90 build's count
             regs = MAXNREG[bool(prefetch)]
-        _RESIDENT[key] = max(1, min(32, 65536 // (32 * regs)))
+        # an SM's 64K registers are four 16K banks, one per scheduler, each holding whole
+        # warps: 144-168 registers fit 3 one-warp programs per bank, not 65536 / (32·regs)
+        _RESIDENT[key] = 4 * max(1, min(16, 16384 // (32 * regs)))
     return _RESIDENT[key]
 
 
-def rotated_query(spec, q: torch.Tensor, scale: float) -> torch.Tensor:
-    """The kernel's query operand: fp16 q·R[:, c(κ)] times scale·log2(e) (kernels/qrot.py)."""
-    return qrot.rotate_query(q, _tables(spec, q.device)[1], scale * 1.4426950408889634)
+def pdl_supported(device) -> bool:
+    """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def query_rotation(spec, device, scale: float) -> tuple[torch.Tensor, float]:
+    """(R with its columns in operand order, scale·log2(e)): the query operand's transform."""
+    return _tables(spec, device)[1], scale * 1.4426950408889634
+
+
+def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False) -> torch.Tensor:
+    """The kernel's query operand: fp16 q·R[:, c(κ)] times scale·log2(e) (kernels/qrot.py).
+    pdl: the rotation lets the next kernel launch early (see :func:`launch`)."""
+    return qrot.rotate_query(q, *query_rotation(spec, q.device, scale), launch_dependents=pdl)
 
 
 def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
-           num_splits: int, prefetch: bool = True) -> None:
+           num_splits: int, prefetch: bool = True, pdl: bool = False,
+           early_loads: bool = True) -> None:
     """qk: :func:`rotated_query`; part/plse: split scratch; out (rows, Hq, D) and lse (rows, Hq)
-    or None receive the merged result."""
+    or None receive the merged result. pdl: launch as a programmatic dependent of the kernel
+    before it in the stream, which must be the query rotation (the kernel overlaps its prologue
+    with that kernel and waits for its completion before reading ``qk``; work before the
+    rotation kernel is complete when it starts). early_loads: the prologue may read the cache
+    before that wait (not when the rotation kernel also stores into it)."""
     if out.stride(-1) != 1:
         raise ValueError(f"out must have a contiguous last dimension, strides {out.stride()}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits}: the tensor-core kernel merges 1..{MAX_SPLITS}")
     args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                       num_splits, prefetch)
+                       num_splits, prefetch, pdl, early_loads)
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
 
 

@@ -3,7 +3,9 @@ kernel's operand order, times the softmax scale (log2 units), as fp16.
 
 PyTorch twin: :func:`rotate_query_ref`. One small launch per decode step instead of torch's
 fp32 cast + GEMM (two kernels); rotating inside the decode kernel instead would repeat it for
-every split of a sequence.
+every split of a sequence. :func:`rotate_block` is also run by the store kernel's query
+programs (kernels/store.py: ``store_kv_and_rotate_query``), which saves this launch when the
+step's new K/V are stored together with the decode.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import triton
 import triton.language as tl
 
 
+BLOCK, BLOCK_C = 16, 32  # rows, output columns per program: short chains, many programs
+
+
 @triton.jit
-def _rotate_query_kernel(q_ptr, n_rows, r_ptr, out_ptr, scale, D: tl.constexpr,
-                         BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
-    # one program per (16 rows, 32 output columns): short dependency chains, many programs
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+def rotate_block(q_ptr, n_rows, r_ptr, out_ptr, scale, pid, D: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Block pid (row-block major) of out = fp16((q·r)·scale)."""
+    rows = (pid // (D // BLOCK_C)) * BLOCK + tl.arange(0, BLOCK)
+    cols = (pid % (D // BLOCK_C)) * BLOCK_C + tl.arange(0, BLOCK_C)
     d = tl.arange(0, D)
     ok = (rows < n_rows)[:, None]
     q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -27,21 +32,44 @@ def _rotate_query_kernel(q_ptr, n_rows, r_ptr, out_ptr, scale, D: tl.constexpr,
     tl.store(out_ptr + rows[:, None] * D + cols[None, :], o.to(tl.float16), mask=ok)
 
 
+@triton.jit
+def _rotate_query_kernel(q_ptr, n_rows, r_ptr, out_ptr, scale, D: tl.constexpr,
+                         BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+                         LAUNCH_DEPENDENTS: tl.constexpr):
+    if LAUNCH_DEPENDENTS:  # a programmatic dependent (the decode kernel) may start now
+        tl.extra.cuda.gdc_launch_dependents()
+    rotate_block(q_ptr, n_rows, r_ptr, out_ptr, scale, tl.program_id(0), D, BLOCK, BLOCK_C)
+
+
 def rotate_query_ref(q: torch.Tensor, r: torch.Tensor, scale: float) -> torch.Tensor:
     """(rows, heads, D) → fp16 ``(q·r)·scale`` (r: D × D fp32, columns already permuted)."""
     return ((q.float() @ r) * scale).to(torch.float16)
 
 
-def rotate_query(q: torch.Tensor, r: torch.Tensor, scale: float) -> torch.Tensor:
+def num_blocks(rows: int, d: int) -> int:
+    return triton.cdiv(rows, BLOCK) * (d // BLOCK_C)
+
+
+def check_and_alloc(q: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q as contiguous (rows, D), fp16 output (rows, D)) after checking shapes (r must be
+    row-major: the kernel reads it with row stride D)."""
     d = q.shape[-1]
     if r.shape != (d, d) or r.dtype != torch.float32:
         raise ValueError(f"rotation must be ({d}, {d}) float32, got {tuple(r.shape)} {r.dtype}")
+    if not r.is_contiguous():
+        raise ValueError(f"rotation must be contiguous (row-major), strides {r.stride()}")
+    if d % BLOCK_C or d & (d - 1):
+        raise ValueError(f"head size {d}: the rotation kernel needs a power of two >= {BLOCK_C}")
     q2 = q.reshape(-1, d).contiguous()
-    out = torch.empty(q2.shape, dtype=torch.float16, device=q.device)
-    block, block_c = 16, min(32, d)
-    if d % block_c or d & (d - 1):
-        raise ValueError(f"head size {d}: the rotation kernel needs a power of two >= 16")
-    grid = (triton.cdiv(q2.shape[0], block), d // block_c)
-    _rotate_query_kernel[grid](q2, q2.shape[0], r, out, float(scale), D=d, BLOCK=block,
-                               BLOCK_C=block_c, num_warps=2)
+    return q2, torch.empty(q2.shape, dtype=torch.float16, device=q.device)
+
+
+def rotate_query(q: torch.Tensor, r: torch.Tensor, scale: float,
+                 launch_dependents: bool = False) -> torch.Tensor:
+    """launch_dependents (sm_90+): let a kernel launched after this one with programmatic
+    dependent launch start before this one ends (it waits for this output itself)."""
+    q2, out = check_and_alloc(q, r)
+    _rotate_query_kernel[(num_blocks(q2.shape[0], q.shape[-1]),)](
+        q2, q2.shape[0], r, out, float(scale), D=q.shape[-1], BLOCK=BLOCK, BLOCK_C=BLOCK_C,
+        LAUNCH_DEPENDENTS=launch_dependents, num_warps=2)
     return out.view(q.shape)

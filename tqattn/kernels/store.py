@@ -2,7 +2,8 @@
 
 Math = :func:`tqattn.quant.paged.store_ref` (= ``TQCodec.encode`` with ``on_nonfinite=
 "propagate", fold_nc=True)`` + the page layout). One program per ``HB`` consecutive (token, KV
-head) rows of the step's flattened ``N·Hk`` rows, one launch per layer per step, no host sync. The rotation
+head) rows of the step's flattened ``N·Hk`` rows and role (keys / values: two programs per row
+block run in parallel), one launch per layer per step, no host sync. The rotation
 is an fp32-accurate ``tl.dot`` inside the kernel (K-chunked): on the GPU three TF32 tensor-core
 dots on a hi/lo split of both operands ("tf32x3", ~2^-22 relative error); IEEE fp32 dots on the
 FMA units under the interpreter. Division and square root use IEEE rounding, so codes match the
@@ -19,7 +20,7 @@ import triton.language as tl
 
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
-from . import _tl
+from . import _tl, qrot
 from ._spec import kernel_spec
 
 
@@ -177,6 +178,10 @@ def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
     _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
 
 
+QROT_BLOCK = tl.constexpr(qrot.BLOCK)
+QROT_BLOCK_C = tl.constexpr(qrot.BLOCK_C)
+
+
 @triton.jit
 def _store_kernel(
         k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h, rot_ptr, tab_ptr,
@@ -197,11 +202,25 @@ def _store_kernel(
         V1_OFF: tl.constexpr, V1_BITS: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr,
         V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
         V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
-        PAD_OFF: tl.constexpr, PAD_N: tl.constexpr):
-    r = tl.program_id(0) * HB + tl.arange(0, HB)
+        PAD_OFF: tl.constexpr, PAD_N: tl.constexpr,
+        q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, HAS_Q: tl.constexpr,
+        LAUNCH_DEPENDENTS: tl.constexpr):
+    # programs: [0, n_kv) keys and [n_kv, 2 n_kv) values of row block pid % n_kv; with HAS_Q,
+    # then the query rotation's blocks (kernels/qrot.py), so a decode step stores and rotates
+    # in one launch
+    if LAUNCH_DEPENDENTS:  # a programmatic dependent (the decode kernel) may start now
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    n_kv = tl.maximum(tl.cdiv(N_ROWS, HB), 1)
+    if HAS_Q:
+        if pid >= 2 * n_kv:
+            qrot.rotate_block(q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, pid - 2 * n_kv, D,
+                              QROT_BLOCK, QROT_BLOCK_C)
+    r = (pid % n_kv) * HB + tl.arange(0, HB)
+    is_key = pid < n_kv
     n = r // HK
     h = r % HK
-    slot = tl.load(slot_ptr + n, mask=r < N_ROWS, other=-1).to(tl.int64)
+    slot = tl.load(slot_ptr + n, mask=(r < N_ROWS) & (pid < 2 * n_kv), other=-1).to(tl.int64)
     h_ok = slot >= 0  # padding tokens (negative slots) and rows past the end write nothing
     if tl.max(h_ok.to(tl.int32), axis=0) > 0:
         blk = tl.where(h_ok, slot, 0) // BS
@@ -210,54 +229,64 @@ def _store_kernel(
         k_rows = n.to(tl.int64) * sk_n + h * sk_h
         v_rows = n.to(tl.int64) * sv_n + h * sv_h
 
-        if K_FP8:
-            d = tl.arange(0, DP)
-            m = h_ok[:, None] & (d < D)[None, :]
-            x = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(_tl.row_ptr(cache_ptr, base, off, K0_OFF, K0_G, K0_CM)
-                     + (d[None, :] * BS if K0_CM else d[None, :]),
-                     _fp8_e4m3(x).to(tl.uint8), mask=m)
+        if is_key:
+            if K_FP8:
+                d = tl.arange(0, DP)
+                m = h_ok[:, None] & (d < D)[None, :]
+                x = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=m,
+                            other=0.0).to(tl.float32)
+                tl.store(_tl.row_ptr(cache_ptr, base, off, K0_OFF, K0_G, K0_CM)
+                         + (d[None, :] * BS if K0_CM else d[None, :]),
+                         _fp8_e4m3(x).to(tl.uint8), mask=m)
+            else:
+                _encode_unit(k_ptr, k_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP,
+                             BK, HB, TF32X3, BS, KN_OFF, K_CORR == 1, HAS_K1, K0_OFF, K0_BITS,
+                             K0_W, K0_G, K0_GP, K0_CPW, K0_START, K0_COUNT, K0_LUT, K0_BND,
+                             K0_CM, K1_OFF, K1_BITS, K1_W, K1_G, K1_GP, K1_CPW, K1_START,
+                             K1_COUNT, K1_LUT, K1_BND, K1_CM)
         else:
-            _encode_unit(k_ptr, k_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP, BK,
-                         HB, TF32X3, BS, KN_OFF, K_CORR == 1, HAS_K1, K0_OFF, K0_BITS, K0_W,
-                         K0_G, K0_GP, K0_CPW, K0_START, K0_COUNT, K0_LUT, K0_BND, K0_CM,
-                         K1_OFF,
-                         K1_BITS, K1_W, K1_G, K1_GP, K1_CPW, K1_START, K1_COUNT, K1_LUT, K1_BND,
-                         K1_CM)
-
-        if V_TQ:
-            _encode_unit(v_ptr, v_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP, BK,
-                         HB, TF32X3, BS, VN_OFF, V_CORR == 1, HAS_V1, V0_OFF, V0_BITS, V0_W,
-                         V0_G, V0_GP, V0_CPW, V0_START, V0_COUNT, V0_LUT, V0_BND, V0_CM,
-                         V1_OFF,
-                         V1_BITS, V1_W, V1_G, V1_GP, V1_CPW, V1_START, V1_COUNT, V1_LUT, V1_BND,
-                         V1_CM)
-        else:
-            bad, v, m = _row_stats(v_ptr, v_rows, h_ok, D, V0_GP * V0_CPW)
-            vmin = tl.min(tl.where(m, v, float("inf")), axis=1)
-            vmax = tl.max(tl.where(m, v, float("-inf")), axis=1)
-            scale = tl.maximum(tl.math.div_rn(vmax - vmin, tl.full(vmax.shape, V_LEVELS, tl.float32)),
-                               1e-8)
-            qv = tl.floor(tl.math.div_rn(v - vmin[:, None], scale[:, None]) + 0.5)
-            qv = tl.minimum(tl.maximum(qv, 0.0), V_LEVELS * 1.0).to(tl.int32)
-            _store_codes(qv, cache_ptr, base, off, h_ok, HB, BS, V0_OFF, V0_BITS, V0_W, V0_G,
-                         V0_GP, V0_CPW, V0_CM)
-            _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), scale), h_ok, VS_OFF)
-            _tl.store_fp16(cache_ptr, base, off, vmin, h_ok, VZ_OFF)
+            if V_TQ:
+                _encode_unit(v_ptr, v_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP,
+                             BK, HB, TF32X3, BS, VN_OFF, V_CORR == 1, HAS_V1, V0_OFF, V0_BITS,
+                             V0_W, V0_G, V0_GP, V0_CPW, V0_START, V0_COUNT, V0_LUT, V0_BND,
+                             V0_CM, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW, V1_START,
+                             V1_COUNT, V1_LUT, V1_BND, V1_CM)
+            else:
+                bad, v, m = _row_stats(v_ptr, v_rows, h_ok, D, V0_GP * V0_CPW)
+                vmin = tl.min(tl.where(m, v, float("inf")), axis=1)
+                vmax = tl.max(tl.where(m, v, float("-inf")), axis=1)
+                levels = tl.full(vmax.shape, V_LEVELS, tl.float32)
+                scale = tl.maximum(tl.math.div_rn(vmax - vmin, levels), 1e-8)
+                qv = tl.floor(tl.math.div_rn(v - vmin[:, None], scale[:, None]) + 0.5)
+                qv = tl.minimum(tl.maximum(qv, 0.0), V_LEVELS * 1.0).to(tl.int32)
+                _store_codes(qv, cache_ptr, base, off, h_ok, HB, BS, V0_OFF, V0_BITS, V0_W, V0_G,
+                             V0_GP, V0_CPW, V0_CM)
+                _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), scale), h_ok,
+                               VS_OFF)
+                _tl.store_fp16(cache_ptr, base, off, vmin, h_ok, VZ_OFF)
         if PAD_N > 0:
-            tl.store(cache_ptr + base + PAD_OFF + off, tl.zeros([HB], tl.uint8), mask=h_ok)
+            tl.store(cache_ptr + base + PAD_OFF + off, tl.zeros([HB], tl.uint8),
+                     mask=h_ok & is_key)
 
 
 ROWS_PER_PROGRAM = 16  # (token, KV head) rows; see the module docstring
+# decode-size steps (few rows: every program's latency chain is the kernel's time) load the
+# whole rotation at once with 8 warps: 11.1-11.4 µs vs 12.1-12.8 (H200, N = 8-128 tokens,
+# bench/results/store_decode_s6_h200.json)
+DECODE_ROWS, DECODE_BLOCK_K, DECODE_WARPS = 1024, 128, 8
 
 
 def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     rows_per_program: int | None = None,
-                    rotation_precision: str | None = None) -> None:
+                    rotation_precision: str | None = None, block_k: int | None = None,
+                    num_warps: int | None = None, query: tuple | None = None,
+                    launch_dependents: bool = False, _allow_empty: bool = False) -> None:
     """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place.
 
-    ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM.
+    ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM; ``block_k`` (the
+    rotation's K chunk, a power of two >= 16) and ``num_warps`` are tuning knobs. ``query``
+    and ``launch_dependents``: see :func:`store_kv_and_rotate_query`.
     ``rotation_precision``: "tf32x3" (three TF32 tensor-core dots, the default on CUDA) or
     "ieee" (fp32 FMA dots, the default elsewhere: the interpreter has no TF32).
     """
@@ -269,7 +298,7 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     if value.shape != key.shape or d != codec.head_dim or kv_cache.shape[1] != hk:
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit a cache "
                          f"of {kv_cache.shape[1]} KV heads at head size {codec.head_dim}")
-    if n == 0:
+    if n == 0 and not _allow_empty:
         return
     bs = cache_block_size(codec, kv_cache)
     spec = kernel_spec(codec, bs)
@@ -281,8 +310,32 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     rows = n * hk
     hb = rows_per_program or ROWS_PER_PROGRAM
     dp = spec.meta["DP"]
-    _store_kernel[(triton.cdiv(rows, hb),)](
+    small = rows <= DECODE_ROWS
+    bk = block_k or min(DECODE_BLOCK_K if small else 32, dp)
+    num_warps = num_warps or (DECODE_WARPS if small else 4)
+    if bk < 16 or bk & (bk - 1) or bk > dp:
+        raise ValueError(f"block_k={block_k}: a power of two in [16, {dp}]")
+    n_kv = max(triton.cdiv(rows, hb), 1)
+    if query is None:
+        q_args, n_q = (key, 0, rot, key, 1.0), 0
+    else:
+        q_args, n_q = query, qrot.num_blocks(query[0].shape[0], d)
+    _store_kernel[(2 * n_kv + n_q,)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
-        rows, HK=hk, HB=hb, BK=min(32, dp), TF32X3=rotation_precision == "tf32x3", num_warps=4,
-        **spec.meta)
+        rows, HK=hk, HB=hb, BK=bk, TF32X3=rotation_precision == "tf32x3", num_warps=num_warps,
+        **spec.meta, **dict(zip(("q_ptr", "NQ_ROWS", "qr_ptr", "qo_ptr", "q_scale"), q_args)),
+        HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents)
+
+
+def store_kv_and_rotate_query(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
+                              kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              q: torch.Tensor, r: torch.Tensor, scale: float,
+                              launch_dependents: bool = False) -> torch.Tensor:
+    """:func:`store_kv_triton` and :func:`tqattn.kernels.qrot.rotate_query` (q, r, scale) in
+    one launch: the decode step's prologue. Returns the rotated query."""
+    q2, out = qrot.check_and_alloc(q, r)
+    store_kv_triton(codec, key, value, kv_cache, slot_mapping,
+                    query=(q2, q2.shape[0], r, out, float(scale)),
+                    launch_dependents=launch_dependents, _allow_empty=True)
+    return out.view(q.shape)

@@ -39,8 +39,7 @@ def tqattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     v = value[0].transpose(0, 1).contiguous()
     kv_cache = ctx.kv_caches[module.layer_idx]
     metadata = ctx.metadata[layer.group]
-    layer.impl.store(k, v, kv_cache, metadata)
-    out = layer.impl.forward(q, k, v, kv_cache, metadata)
+    out = layer.impl.store_and_forward(q, k, v, kv_cache, metadata)
     return out.unsqueeze(0), None
 
 

@@ -359,7 +359,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     acc = gl.zeros([128, 8], gl.float32, layout=_MMA)
     # PREFETCH: the words of tile t+1 are in flight while tile t is computed; else each tile
     # loads its own, except the first (loaded before the wait: its tile is peeled)
-    if PREFETCH:  # (page indices one tile ahead here too: 202 vs 176 µs at B = 32, 16K)
+    # (with the page indices one tile ahead here too, B = 32 at 16K measured 202 µs instead of
+    # 176: bench/results/decode_s6_5_h200_prelim.md vs decode_tune_s6_3_h200_prelim.md)
+    if PREFETCH:
         for t in range(t0, t_mid):
             kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane, BS),
                                           page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,

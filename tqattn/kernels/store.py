@@ -271,8 +271,8 @@ def _store_kernel(
 
 ROWS_PER_PROGRAM = 16  # (token, KV head) rows; see the module docstring
 # decode-size steps (few rows: every program's latency chain is the kernel's time) load the
-# whole rotation at once with 8 warps: 11.1-11.4 µs vs 12.1-12.8 (H200, N = 8-128 tokens,
-# bench/results/store_decode_s6_h200.json)
+# whole rotation at once with 8 warps: 10.8-11.7 µs vs 12.1-12.8 with 32-wide chunks and 4 warps
+# (H200, N = 8-128 tokens; bench/results/store_decode_s6_h200.json, store_decode_s6_2_h200.json)
 DECODE_ROWS, DECODE_BLOCK_K, DECODE_WARPS = 1024, 128, 8
 
 

@@ -208,8 +208,6 @@ def _store_kernel(
     # programs: [0, n_kv) keys and [n_kv, 2 n_kv) values of row block pid % n_kv; with HAS_Q,
     # then the query rotation's blocks (kernels/qrot.py), so a decode step stores and rotates
     # in one launch
-    if LAUNCH_DEPENDENTS:  # a programmatic dependent (the decode kernel) may start now
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     n_kv = tl.maximum(tl.cdiv(N_ROWS, HB), 1)
     if HAS_Q:
@@ -267,6 +265,11 @@ def _store_kernel(
         if PAD_N > 0:
             tl.store(cache_ptr + base + PAD_OFF + off, tl.zeros([HB], tl.uint8),
                      mask=h_ok & is_key)
+    # the decode kernel (a programmatic dependent) may launch once every program got here:
+    # triggered at the start instead, its waiting programs took the SM slots its one-wave
+    # split count assumes (B = 128, 16K: +75 µs)
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 ROWS_PER_PROGRAM = 16  # (token, KV head) rows; see the module docstring

@@ -46,7 +46,7 @@ def _check(name, d=64, hk=1, group=2, lens=(37, 6), bs=16, dtype=torch.float32, 
 
 @pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                                   "turboquant_3bit_nc", "tq_k4v4", "tq_k3.5v3.5", "tq_k4v2",
-                                  "tq_k3v4_debias"])
+                                  "tq_k3v4_debias", "tq_k3o4v3.5"])
 def test_presets(name):
     _check(name)
 
@@ -65,6 +65,12 @@ def test_rows_and_continuation():
 def test_rows_without_keys():
     out, lse = _check("turboquant_4bit_nc", lens=(0, 17))
     assert bool((out[0] == 0).all()) and bool(torch.isinf(lse[0]).all())
+
+
+def test_outlier_keys_rows_dtype_head_size():
+    """Outlier-split keys gather the unrotated query: several rows, a window, bf16, head size 80."""
+    _check("tq_k3o4v3.5", d=80, hk=2, group=3, lens=(40, 7), bs=32, dtype=torch.bfloat16,
+           rows=[3, 2], window=9)
 
 
 def test_gqa_dtype_block_size_head_size():

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not (conftest.INTERPRET and conftest.KERNELS_IMP
 
 @pytest.mark.parametrize("name,d", [("turboquant_k8v4", 64), ("turboquant_k3v4_nc", 64),
                                     ("turboquant_3bit_nc", 80), ("tq_k3.5v3.5", 80),
-                                    ("tq_k4v2", 64)])
+                                    ("tq_k4v2", 64), ("tq_k3o4v3.5", 64), ("tq_k3o4v3.5", 80)])
 def test_dequant_matches_reference(name, d):
     from tqattn.kernels.dequant import dequant_kv_triton
     codec = TQCodec(name, d)

@@ -12,7 +12,7 @@ from tqattn.quant.codec import TQCodec
 pytestmark = pytest.mark.gpu
 
 ALL = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
-       "tq_k4v4", "tq_k4v3", "tq_k3v4", "tq_k3v3", "tq_k3.5v3.5", "tq_k4v2"]
+       "tq_k4v4", "tq_k4v3", "tq_k3v4", "tq_k3v3", "tq_k3.5v3.5", "tq_k4v2", "tq_k3o4v3.5"]
 DEV = "cuda"
 
 

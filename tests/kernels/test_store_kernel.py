@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not (conftest.INTERPRET and conftest.KERNELS_IMP
 
 PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
            "tq_k4v4", "tq_k4v3", "tq_k3v4", "tq_k3v3", "tq_k3.5v3.5", "tq_k4v2",
-           "tq_k3v4_debias"]
+           "tq_k3v4_debias", "tq_k3o4v3.5"]
 
 
 def _store_both(codec, k, v, slots, nb, bs, hk, **kw):
@@ -28,7 +28,7 @@ def _store_both(codec, k, v, slots, nb, bs, hk, **kw):
 
 @pytest.mark.parametrize("name,d,bs", [(p, 64, 16) for p in PRESETS]
                          + [("turboquant_k3v4_nc", 80, 32), ("tq_k3.5v3.5", 96, 16),
-                            ("turboquant_k8v4", 80, 16)])
+                            ("turboquant_k8v4", 80, 16), ("tq_k3o4v3.5", 96, 32)])
 def test_store_bytes_match_reference(name, d, bs):
     codec = TQCodec(name, d)
     hk, n, nb = 3, 6, 3
@@ -60,7 +60,7 @@ def test_store_rows_per_program(name, rows_per_program):
     assert torch.equal(c, b)
 
 
-@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "tq_k3.5v3.5"])
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "tq_k3.5v3.5", "tq_k3o4v3.5"])
 def test_store_tf32x3_rotation(name):
     """The GPU's rotation (hi/lo split, three dots; the interpreter computes each dot in fp32)
     lands within ~2^-22 of the reference: codes differ at most where a coordinate sits on a

@@ -20,8 +20,9 @@ def nmse(x, y):
     return ((x - y).pow(2).sum(-1) / y.pow(2).sum(-1)).mean().item()
 
 
-@pytest.mark.parametrize("dim", HEAD_SIZES)
-@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if not p.key.qjl])
+# outlier channels are bytes: head size <= 256 (test_outlier_preset_limits)
+@pytest.mark.parametrize("name,dim", [(n, d) for n, p in PRESETS.items() if not p.key.qjl
+                                      for d in HEAD_SIZES if d <= 256 or not p.key.outliers])
 def test_round_trip_within_theory(name, dim):
     codec = TQCodec(name, dim, seed=1)
     k = torch.randn(2, 128, 3, dim, dtype=torch.bfloat16)
@@ -185,3 +186,52 @@ def test_encode_ignores_reduced_matmul_precision(precision):
         torch.set_float32_matmul_precision("highest")
         for api, prec in zip(apis, initial):
             api.fp32_precision = prec
+
+
+def test_outlier_split_keys():
+    """The m largest-|k| channels are stored apart (channel byte + e4m3 byte, largest first) and
+    taken out before the rotation: on keys with large per-token channels the decoded error is a
+    fraction of plain 3-bit TurboQuant's at the same bytes (tq_k3v4: 116 bytes, as this)."""
+    codec, plain = TQCodec("tq_k3o4v3.5", 128), TQCodec("tq_k3v4", 128)
+    assert codec.slot_bytes == plain.slot_bytes == 116
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(256, 128, generator=gen)
+    chans = torch.stack([torch.randperm(128, generator=gen)[:4] for _ in range(256)])
+    big = torch.tensor([20.0, -14.0, 11.0, -9.0]).expand(256, 4)
+    k.scatter_(-1, chans, big)
+    v = torch.randn(256, 128, generator=gen)
+    slots = codec.encode(k, v)
+    f_idx, f_val = codec.layout.field("k_out_idx"), codec.layout.field("k_out_val")
+    assert torch.equal(slots[:, f_idx.offset:f_idx.offset + 4].long(), chans)
+    vals = slots[:, f_val.offset:f_val.offset + 4].contiguous().view(torch.float8_e4m3fn)
+    assert torch.equal(vals.float(), big.to(torch.float8_e4m3fn).float())
+    err = nmse(codec.decode_keys(slots), k)
+    assert err < 0.4 * nmse(plain.decode_keys(plain.encode(k, v)), k)
+    assert err < 1.2 * theory(3, 128)  # the residual's error, relative to the whole key
+
+
+def test_outlier_ties_saturation_and_nonfinite():
+    codec = TQCodec("tq_k3o4v3.5", 64)
+    f_idx, f_val = codec.layout.field("k_out_idx"), codec.layout.field("k_out_val")
+    k = torch.ones(3, 64)
+    k[1, 10] = -1000.0                      # saturates at e4m3's 448; the rest goes to the codes
+    k[2, 5] = math.nan
+    slots = codec.encode(k, torch.randn(3, 64), on_nonfinite="propagate")
+    assert slots[0, f_idx.offset:f_idx.offset + 4].tolist() == [0, 1, 2, 3]   # ties: lowest
+    assert slots[1, f_idx.offset:f_idx.offset + 4].tolist() == [10, 0, 1, 2]
+    val = slots[1, f_val.offset:f_val.offset + 4].contiguous().view(torch.float8_e4m3fn)
+    assert val.float().tolist() == [-448.0, 1.0, 1.0, 1.0]
+    kh = codec.decode_keys(slots)
+    assert abs(kh[1, 10].item() + 1000.0) < 60.0
+    assert bool(torch.isnan(kh[2]).all()) and bool(torch.isfinite(kh[:2]).all())
+    with pytest.raises(ValueError, match="non-finite"):
+        codec.encode(k, torch.randn(3, 64))
+
+
+def test_outlier_preset_limits():
+    with pytest.raises(ValueError, match="one byte"):
+        TQCodec("tq_k3o4v3.5", 512)
+    for key in (KeySpec("fp8", outliers=4), KeySpec("mse", 3, outliers=17),
+                KeySpec("mse", 3, qjl=True, outliers=2)):
+        with pytest.raises(ValueError, match="outliers"):
+            TQPreset("bad", key, ValueSpec("tq", 3), rotation_signs=True, codebook="exact")

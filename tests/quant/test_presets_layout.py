@@ -43,6 +43,10 @@ def test_project_presets_are_smaller_per_width():
 @pytest.mark.parametrize("name", list(PRESETS))
 @pytest.mark.parametrize("dim", [64, 80, 96, 128, 192, 256, 512])
 def test_every_layout_is_consistent(name, dim):
+    if PRESETS[name].key.outliers and dim > 256:
+        with pytest.raises(ValueError, match="one byte"):
+            build_layout(name, dim)
+        return
     lay = build_layout(name, dim)
     end = 0
     for f in sorted(lay.fields.values(), key=lambda f: f.offset):

@@ -103,6 +103,10 @@ class KernelSpec:
             meta.update(K_FP8=False, K_CORR=CORR[p.key.correction],
                         KN_OFF=block_size * lay.field("k_norm").offset)
             self.kfac = codec.keys.debias
+        n_out = p.key.outliers
+        meta.update(K_NOUT=n_out, K_NOUTP=next_pow2(max(n_out, 1)),
+                    KOI_OFF=block_size * lay.field("k_out_idx").offset if n_out else 0,
+                    KOV_OFF=block_size * lay.field("k_out_val").offset if n_out else 0)
         meta["HAS_K1"] = len(kf) == 2
         meta.update(kf[0].meta("K0"))
         meta.update((kf[1] if len(kf) == 2 else _NO_FIELD).meta("K1"))

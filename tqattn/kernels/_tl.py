@@ -1,4 +1,5 @@
-"""Triton helpers shared by the kernels: unpack code tiles, their coordinate order, fp16 fields."""
+"""Triton helpers shared by the kernels: unpack code tiles, their coordinate order, fp16 fields,
+outlier planes."""
 
 from __future__ import annotations
 
@@ -127,3 +128,26 @@ def store_fp16(cache_ptr, base, off, x, mask, OFF: tl.constexpr):
     """x fp32 [H] → fp16 plane field at page offset `off` (base [H] = page starts)."""
     p = (cache_ptr + base + OFF).to(tl.pointer_type(tl.float16))
     tl.store(p + off, x.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def fp8_e4m3_value(b):
+    """e4m3fn byte (int32) → fp32, by arithmetic (also under the interpreter, which has no fp8).
+    The NaN byte never occurs in outlier planes (the store zeroes non-finite vectors)."""
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def load_outliers(cache_ptr, pbase, tip, ok, IDX_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
+                  NOUT: tl.constexpr, NOUTP: tl.constexpr):
+    """Outlier channels (int32) and values (fp32) of the tokens, [N, NOUTP] each (columns past
+    NOUT: channel 0, value 0). Planes are token-major, NOUT bytes per token."""
+    j = tl.arange(0, NOUTP)[None, :]
+    m = ok[:, None] & (j < NOUT)
+    at = (pbase + tip * NOUT)[:, None] + j
+    idx = tl.load(cache_ptr + IDX_OFF + at, mask=m, other=0).to(tl.int32)
+    val = tl.load(cache_ptr + VAL_OFF + at, mask=m, other=0).to(tl.int32)
+    return idx, tl.where(m, fp8_e4m3_value(val), 0.0)

@@ -8,6 +8,8 @@ the rotated basis: ``score_j = scale · n_j · ⟨q R, ĉ_j⟩`` (pages store "n
 n/‖ĉ‖) — the per-token factor scales the score column, never K. Uniform values enter as their
 codes (``p·v = (p·scale) @ codes + p·zero``); rotated ("tq") values as centroids with ``p``
 scaled by ``n/‖ĉ‖`` — accumulated in the rotated basis and un-rotated once after the merge.
+Outlier-split keys add ``⟨q, o_j⟩`` per token, gathering the unrotated query at the stored
+channels (an L1-resident gather; this path is about accuracy per byte, not speed).
 
 Inner loop: a packed word holds CPW codes (8 for 3-bit, 2 for 4-bit); code i of every word
 forms its own ``[BLOCK_N, G]`` tile and its own ``tl.dot`` with the matching query columns
@@ -219,6 +221,19 @@ def _value_tiles(w, lut_ptr, cm, TQ: tl.constexpr, BITS: tl.constexpr, CPW: tl.c
 
 
 @triton.jit
+def _outlier_scores(qo_ptr, qo_rows, row_ok, cache_ptr, bt_row, tok, ok, sc_b, kvh_off,
+                    BS: tl.constexpr, IDX_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
+                    NOUT: tl.constexpr, NOUTP: tl.constexpr):
+    """⟨q, o_j⟩ [M, N] fp32: each token's stored outliers against the unrotated query rows."""
+    blk = tl.load(bt_row + tok // BS, mask=ok, other=0).to(tl.int64)
+    idx, val = _tl.load_outliers(cache_ptr, blk * sc_b + kvh_off, tok % BS, ok, IDX_OFF,
+                                 VAL_OFF, NOUT, NOUTP)
+    qg = tl.load(qo_ptr + qo_rows[:, None, None] + idx[None, :, :], mask=row_ok[:, None, None],
+                 other=0.0).to(tl.float32)
+    return tl.sum(qg * val[None, :, :], axis=2)
+
+
+@triton.jit
 def _pv(acc, alpha, pv, v):
     return acc * alpha[:, None] + tl.dot(pv, v)
 
@@ -347,8 +362,8 @@ def _load_tile(cache_ptr, bt_row, tok0, lim, sc_b, kvh_off, BS: tl.constexpr,
 
 @triton.jit
 def _decode_split_kernel(
-        q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr, qsl_ptr, qpos_ptr,
-        lut_ptr, po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h,
+        q_ptr, sq_r, sq_h, qo_ptr, sqo_r, sqo_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr,
+        qsl_ptr, qpos_ptr, lut_ptr, po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h,
         scale, softcap, window, kfac, vfac,
         HAS_QSL: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HK: tl.constexpr,
@@ -356,7 +371,9 @@ def _decode_split_kernel(
         V_ASM: tl.constexpr, V_VASM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS, PREFETCH: tl.constexpr,
         FP8_NATIVE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
+        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, K_NOUT: tl.constexpr,
+        K_NOUTP: tl.constexpr, KOI_OFF: tl.constexpr, KOV_OFF: tl.constexpr,
+        HAS_K1: tl.constexpr,
         K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
         K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
         K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr, K0_CM: tl.constexpr,
@@ -416,6 +433,7 @@ def _decode_split_kernel(
         t1 = tl.minimum(t0 + per_split, n_tiles)
 
         q_rows = ((r0 + ri) * sq_r + head * sq_h).to(tl.int64)
+        qo_rows = ((r0 + ri) * sqo_r + head * sqo_h).to(tl.int64)
         qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7 = _q_phases(q_ptr, q_rows, row_ok, K0_G, K0_GP,
                                                            K0_CPW, K0_START)
         if HAS_K1:
@@ -485,7 +503,12 @@ def _decode_split_kernel(
                 fk = n1.to(tl.float32)  # "nc" is folded into the stored norm
                 if K_CORR == 2:
                     fk = fk * kfac
-                s = s * (fk * qk_scale)[None, :]
+                if K_NOUT > 0:
+                    s = (s * fk[None, :] + _outlier_scores(
+                        qo_ptr, qo_rows, row_ok, cache_ptr, bt_row, tok, ok, sc_b, kvh_off, BS,
+                        KOI_OFF, KOV_OFF, K_NOUT, K_NOUTP)) * qk_scale
+                else:
+                    s = s * (fk * qk_scale)[None, :]
             if HAS_SOFTCAP:
                 # cap·tanh(x/cap) on natural-log scores, written with exp (no tanh in tl)
                 x = s * (1.0 / (1.4426950408889634 * softcap))
@@ -760,7 +783,8 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     grid = (batch * hk, num_splits, row_blocks)
     interp = q.device.type != "cuda"
     _decode_split_kernel[grid](
-        qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+        qk, qk.stride(0), qk.stride(1), q, q.stride(0), q.stride(1), kv_cache,
+        kv_cache.stride(0), kv_cache.stride(1),
         block_table, block_table.stride(0), seq_lens, qsl, qpos, lut,
         part, part.stride(0), part.stride(1), part.stride(2), plse, plse.stride(0),
         plse.stride(1),

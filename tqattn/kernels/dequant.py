@@ -3,7 +3,8 @@
 Math = :func:`tqattn.quant.paged.dequant_ref`. For long chunked-prefill continuations: the
 compressed prefix is expanded once and handed to FlashAttention with the raw chunk. One program
 per (tile of tokens, sequence, KV head); rotated keys/values are un-rotated in-kernel with a
-``tl.dot`` against the rotation rows gathered in the tile's coordinate order.
+``tl.dot`` against the rotation rows gathered in the tile's coordinate order; outlier-split keys
+add their stored outliers to the un-rotated tile before the cast.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ def _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS: tl.constexpr, OFF: tl.con
 
 
 @triton.jit
-def _unrotate_store(c0, c1, out_rows, ok, out_ptr, rot_ptr, D: tl.constexpr, DP: tl.constexpr,
-                    BD: tl.constexpr, HAS_1: tl.constexpr,
+def _unrotate_store(c0, c1, out_rows, ok, out_ptr, rot_ptr, oidx, oval, D: tl.constexpr,
+                    DP: tl.constexpr, BD: tl.constexpr, HAS_1: tl.constexpr, NOUT: tl.constexpr,
                     GP0: tl.constexpr, CPW0: tl.constexpr, START0: tl.constexpr, COUNT0: tl.constexpr,
                     GP1: tl.constexpr, CPW1: tl.constexpr, START1: tl.constexpr, COUNT1: tl.constexpr):
-    """out[:, :D] = Σ_f c_f [N, GP·CPW] (rotated coords START_f + col) @ Rᵀ, BD columns at a time."""
+    """out[:, :D] = Σ_f c_f [N, GP·CPW] (rotated coords START_f + col) @ Rᵀ (+ the outliers
+    oval at channels oidx [N, NOUTP] when NOUT > 0), BD columns at a time."""
     col0 = _tl.coords(GP0, CPW0)
     col1 = _tl.coords(GP1, CPW1)
     for d0 in tl.static_range(0, DP, BD):
@@ -45,6 +47,9 @@ def _unrotate_store(c0, c1, out_rows, ok, out_ptr, rot_ptr, D: tl.constexpr, DP:
             rt1 = tl.load(rot_ptr + dd[None, :] * D + START1 + col1[:, None],
                           mask=(col1 < COUNT1)[:, None] & (dd < D)[None, :], other=0.0)
             part += tl.dot(c1, rt1)
+        if NOUT > 0:
+            hit = dd[None, None, :] == oidx[:, :, None]
+            part += tl.sum(tl.where(hit, oval[:, :, None], 0.0), axis=1)
         tl.store(out_ptr + out_rows[:, None] + dd[None, :], part.to(out_ptr.dtype.element_ty),
                  mask=ok[:, None] & (dd < D)[None, :])
 
@@ -55,7 +60,9 @@ def _dequant_kernel(
         sv_h, lut_ptr, rot_ptr, kfac, vfac,
         HK: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, FP8_NATIVE: tl.constexpr,
         BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
+        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, K_NOUT: tl.constexpr,
+        K_NOUTP: tl.constexpr, KOI_OFF: tl.constexpr, KOV_OFF: tl.constexpr,
+        HAS_K1: tl.constexpr,
         K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
         K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
         K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr, K0_CM: tl.constexpr,
@@ -84,6 +91,12 @@ def _dequant_kernel(
         row = (tl.load(cu_ptr + b) + tok).to(tl.int64)
         k_rows = row * sk_n + kvh * sk_h
         v_rows = row * sv_n + kvh * sv_h
+        if K_NOUT > 0:
+            oidx, oval = _tl.load_outliers(cache_ptr, pbase, tip, ok, KOI_OFF, KOV_OFF, K_NOUT,
+                                           K_NOUTP)
+        else:
+            oidx = tl.zeros([BLOCK_N, K_NOUTP], tl.int32)
+            oval = tl.zeros([BLOCK_N, K_NOUTP], tl.float32)
 
         if K_FP8:
             codes = _tl.load_codes(cache_ptr, pbase, tip, ok, K0_OFF, BS, K0_BITS, K0_W, K0_G,
@@ -106,8 +119,8 @@ def _dequant_kernel(
                 f = f * kfac
             if not HAS_K1:
                 c1 = c0
-            _unrotate_store(c0 * f[:, None], c1 * f[:, None], k_rows, ok, k_ptr, rot_ptr, D, DP,
-                            BD, HAS_K1, K0_GP, K0_CPW, K0_START, K0_COUNT, K1_GP, K1_CPW,
+            _unrotate_store(c0 * f[:, None], c1 * f[:, None], k_rows, ok, k_ptr, rot_ptr, oidx,
+                            oval, D, DP, BD, HAS_K1, K_NOUT, K0_GP, K0_CPW, K0_START, K0_COUNT, K1_GP, K1_CPW,
                             K1_START, K1_COUNT)
 
         if V_TQ:
@@ -121,8 +134,8 @@ def _dequant_kernel(
                 f = f * vfac
             if not HAS_V1:
                 c1 = c0
-            _unrotate_store(c0 * f[:, None], c1 * f[:, None], v_rows, ok, v_ptr, rot_ptr, D, DP,
-                            BD, HAS_V1, V0_GP, V0_CPW, V0_START, V0_COUNT, V1_GP, V1_CPW,
+            _unrotate_store(c0 * f[:, None], c1 * f[:, None], v_rows, ok, v_ptr, rot_ptr, oidx,
+                            oval, D, DP, BD, HAS_V1, 0, V0_GP, V0_CPW, V0_START, V0_COUNT, V1_GP, V1_CPW,
                             V1_START, V1_COUNT)
         else:
             codes = _tl.load_codes(cache_ptr, pbase, tip, ok, V0_OFF, BS, V0_BITS, V0_W, V0_G,

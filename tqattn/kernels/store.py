@@ -8,7 +8,10 @@ is an fp32-accurate ``tl.dot`` inside the kernel (K-chunked): on the GPU three T
 dots on a hi/lo split of both operands ("tf32x3", ~2^-22 relative error); IEEE fp32 dots on the
 FMA units under the interpreter. Division and square root use IEEE rounding, so codes match the
 reference except where the different summation order / the dropped lo·lo term moves a value
-across a bucket boundary (rare, bounded in the tests). Rows per program and timings:
+across a bucket boundary (rare, bounded in the tests). Outlier-split keys: the m largest-|k|
+channels are picked by m arg-max passes (ties → the lower channel, as the reference's stable
+sort); the rotation of k − Σ o_c e_c is the rotation of k minus Σ o_c R[c, :] (rows gathered
+after the dots, so nothing sits between the load and the TF32 split). Rows per program and timings:
 bench/results/store_dequant_h200.json.
 """
 
@@ -81,10 +84,45 @@ def _centroid_ss(code, tab_ptr, LUT: tl.constexpr, COUNT: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D: tl.constexpr, DP: tl.constexpr,
+def _split_outliers(x, h_ok, cache_ptr, base, off, D: tl.constexpr, DP: tl.constexpr,
+                    HB: tl.constexpr, IDX_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
+                    NOUT: tl.constexpr, NOUTP: tl.constexpr):
+    """Pick and store the NOUT largest-|x| channels of rows x [HB, DP] (bad rows zeroed) as
+    (channel byte, e4m3 byte); return their channels [HB, NOUTP] int32 and e4m3 values fp32."""
+    d = tl.arange(0, DP)[None, :]
+    j = tl.arange(0, NOUTP)[None, :]
+    a = tl.where(d < D, tl.abs(x), -1.0)
+    idx = tl.zeros([HB, NOUTP], tl.int32)
+    byte = tl.zeros([HB, NOUTP], tl.int32)
+    for i in tl.static_range(NOUT):
+        c = tl.argmax(a, axis=1, tie_break_left=True).to(tl.int32)
+        sel = d == c[:, None]
+        b8 = _fp8_e4m3(tl.sum(tl.where(sel, x, 0.0), axis=1))
+        idx = tl.where(j == i, c[:, None], idx)
+        byte = tl.where(j == i, b8[:, None], byte)
+        a = tl.where(sel, -1.0, a)
+    at = (base + off * NOUT)[:, None] + j
+    m = h_ok[:, None] & (j < NOUT)
+    tl.store(cache_ptr + IDX_OFF + at, idx.to(tl.uint8), mask=m)
+    tl.store(cache_ptr + VAL_OFF + at, byte.to(tl.uint8), mask=m)
+    return idx, tl.where(j < NOUT, _tl.fp8_e4m3_value(byte), 0.0)
+
+
+@triton.jit
+def _outlier_rows(oidx, oval, rot_ptr, D: tl.constexpr, START: tl.constexpr,
+                  COUNT: tl.constexpr, FDP: tl.constexpr):
+    """Σ_c o_c · R[c, START + j] for j < COUNT: [HB, FDP] fp32 (the outliers' rotation)."""
+    j = tl.arange(0, FDP)[None, None, :]
+    r = tl.load(rot_ptr + oidx[:, :, None] * D + START + j, mask=j < COUNT, other=0.0)
+    return tl.sum(oval[:, :, None] * r, axis=1)
+
+
+@triton.jit
+def _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, corr, D: tl.constexpr, DP: tl.constexpr,
             BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr, COUNT: tl.constexpr,
-            FDP: tl.constexpr, TF32X3: tl.constexpr):
-    """Rotated unit vectors restricted to coordinates [START, START+COUNT): [HB, FDP] fp32."""
+            FDP: tl.constexpr, TF32X3: tl.constexpr, HAS_CORR: tl.constexpr):
+    """Rotated unit vectors restricted to coordinates [START, START+COUNT): [HB, FDP] fp32;
+    with HAS_CORR, of x minus the vectors whose rotation is ``corr`` (outlier channels)."""
     j = tl.arange(0, FDP)
     y = tl.zeros([HB, FDP], tl.float32)
     for k0 in tl.static_range(0, DP, BK):
@@ -112,7 +150,11 @@ def _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D: tl.constexpr, DP: tl.conste
             uk = tl.math.div_rn(tl.where(bad[:, None], 0.0, xk), den[:, None])
             y += tl.dot(uk, r, input_precision="ieee")
     if TF32X3:
+        if HAS_CORR:
+            y = y - corr
         y = tl.math.div_rn(y, den[:, None])
+    elif HAS_CORR:
+        y = y - tl.math.div_rn(corr, den[:, None])
     return y
 
 
@@ -145,7 +187,8 @@ def _row_stats(x_ptr, rows, h_ok, D: tl.constexpr, DP: tl.constexpr):
 def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                  D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
                  TF32X3: tl.constexpr, BS: tl.constexpr, N_OFF: tl.constexpr,
-                 FOLD: tl.constexpr, HAS_F1: tl.constexpr,
+                 FOLD: tl.constexpr, NOUT: tl.constexpr, NOUTP: tl.constexpr,
+                 OI_OFF: tl.constexpr, OV_OFF: tl.constexpr, HAS_F1: tl.constexpr,
                  F0_OFF: tl.constexpr, F0_BITS: tl.constexpr, F0_W: tl.constexpr,
                  F0_G: tl.constexpr, F0_GP: tl.constexpr, F0_CPW: tl.constexpr,
                  F0_START: tl.constexpr, F0_COUNT: tl.constexpr, F0_LUT: tl.constexpr,
@@ -154,20 +197,31 @@ def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                  F1_G: tl.constexpr, F1_GP: tl.constexpr, F1_CPW: tl.constexpr,
                  F1_START: tl.constexpr, F1_COUNT: tl.constexpr, F1_LUT: tl.constexpr,
                  F1_BND: tl.constexpr, F1_CM: tl.constexpr):
-    """Norm + rotation + Lloyd–Max codes of x rows (the codec's _encode_unit)."""
+    """Norm + rotation + Lloyd–Max codes of x rows (the codec's _encode_unit), after taking
+    NOUT outlier channels out (the codec's _split_outliers)."""
     bad, x, _ = _row_stats(x_ptr, rows, h_ok, D, DP)
+    if NOUT > 0:
+        oidx, oval = _split_outliers(x, h_ok, cache_ptr, base, off, D, DP, HB, OI_OFF, OV_OFF,
+                                     NOUT, NOUTP)
+        d = tl.arange(0, DP)[None, None, :]
+        x = x - tl.sum(tl.where(d == oidx[:, :, None], oval[:, :, None], 0.0), axis=1)
+        corr0 = _outlier_rows(oidx, oval, rot_ptr, D, F0_START, F0_COUNT, F0_GP * F0_CPW)
+        corr1 = _outlier_rows(oidx, oval, rot_ptr, D, F1_START, F1_COUNT, F1_GP * F1_CPW)
+    else:
+        corr0 = tl.zeros([HB, F0_GP * F0_CPW], tl.float32)
+        corr1 = tl.zeros([HB, F1_GP * F1_CPW], tl.float32)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
-    y = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D, DP, BK, HB, F0_START, F0_COUNT,
-                F0_GP * F0_CPW, TF32X3)
+    y = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, corr0, D, DP, BK, HB, F0_START, F0_COUNT,
+                F0_GP * F0_CPW, TF32X3, NOUT > 0)
     code = _bucketize(y, tab_ptr, F0_BND, F0_BITS)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0_OFF, F0_BITS, F0_W, F0_G, F0_GP,
                  F0_CPW, F0_CM)
     if FOLD:
         ss = _centroid_ss(code, tab_ptr, F0_LUT, F0_COUNT)
     if HAS_F1:
-        y1 = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, D, DP, BK, HB, F1_START, F1_COUNT,
-                     F1_GP * F1_CPW, TF32X3)
+        y1 = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, corr1, D, DP, BK, HB, F1_START,
+                     F1_COUNT, F1_GP * F1_CPW, TF32X3, NOUT > 0)
         code1 = _bucketize(y1, tab_ptr, F1_BND, F1_BITS)
         _store_codes(code1, cache_ptr, base, off, h_ok, HB, BS, F1_OFF, F1_BITS, F1_W, F1_G,
                      F1_GP, F1_CPW, F1_CM)
@@ -187,7 +241,9 @@ def _store_kernel(
         k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h, rot_ptr, tab_ptr,
         N_ROWS, HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr, TF32X3: tl.constexpr,
         BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
+        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, K_NOUT: tl.constexpr,
+        K_NOUTP: tl.constexpr, KOI_OFF: tl.constexpr, KOV_OFF: tl.constexpr,
+        HAS_K1: tl.constexpr,
         K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
         K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
         K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr, K0_CM: tl.constexpr,
@@ -238,14 +294,16 @@ def _store_kernel(
                          _fp8_e4m3(x).to(tl.uint8), mask=m)
             else:
                 _encode_unit(k_ptr, k_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP,
-                             BK, HB, TF32X3, BS, KN_OFF, K_CORR == 1, HAS_K1, K0_OFF, K0_BITS,
+                             BK, HB, TF32X3, BS, KN_OFF, K_CORR == 1, K_NOUT, K_NOUTP, KOI_OFF,
+                             KOV_OFF, HAS_K1, K0_OFF, K0_BITS,
                              K0_W, K0_G, K0_GP, K0_CPW, K0_START, K0_COUNT, K0_LUT, K0_BND,
                              K0_CM, K1_OFF, K1_BITS, K1_W, K1_G, K1_GP, K1_CPW, K1_START,
                              K1_COUNT, K1_LUT, K1_BND, K1_CM)
         else:
             if V_TQ:
                 _encode_unit(v_ptr, v_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP,
-                             BK, HB, TF32X3, BS, VN_OFF, V_CORR == 1, HAS_V1, V0_OFF, V0_BITS,
+                             BK, HB, TF32X3, BS, VN_OFF, V_CORR == 1, 0, 1, 0, 0, HAS_V1, V0_OFF,
+                             V0_BITS,
                              V0_W, V0_G, V0_GP, V0_CPW, V0_START, V0_COUNT, V0_LUT, V0_BND,
                              V0_CM, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW, V1_START,
                              V1_COUNT, V1_LUT, V1_BND, V1_CM)

@@ -3,7 +3,8 @@
 The query is rotated once (q @ R); each score is scale · n_j · ⟨q R, ĉ_j⟩ (+ the QJL term
 n_j‖r_j‖√(π/2)/D · ⟨q Sᵀ, s_j⟩); keys are never un-rotated. Uniform values are dequantized in
 place; rotated ("tq") values are accumulated in the rotated basis and the output is un-rotated
-once. fp8 keys are scored as scale · ⟨q, k̂⟩.
+once. fp8 keys are scored as scale · ⟨q, k̂⟩. Outlier-split keys add ⟨q, o_j⟩ (the stored
+outliers, original basis) to ⟨q R, n_j ĉ_j⟩ before the scale.
 
 Rows: ``q`` is (T, Hq, D) — T query rows of one sequence (T = 1 for decode, more for a short
 chunked-prefill continuation) — and row t sees the keys [lo_t, hi_t) of the sequence's slots,
@@ -39,6 +40,8 @@ def decode_for_attention(codec: TQCodec, slots: torch.Tensor) -> dict[str, torch
         dec = {"keys": codec.rotated_keys(slots)}
         if codec.qjl_matrix is not None:
             dec["qjl_signs"], dec["qjl_coef"] = codec.qjl_parts(slots)
+        if codec.preset.key.outliers:
+            dec["outliers"] = codec.outlier_keys(slots)
     dec["values"] = (codec.rotated_values(slots) if codec.values is not None
                      else codec.decode_values(slots))
     return dec
@@ -77,6 +80,8 @@ def attention_on_decoded(codec: TQCodec, q: torch.Tensor, dec: dict[str, torch.T
         if codec.qjl_matrix is not None:
             proj = torch.einsum("tkgd,lkd->tkgl", qf @ codec.qjl_matrix.T, dec["qjl_signs"])
             scores = scores + proj * dec["qjl_coef"].T[None, :, None, :]
+        if "outliers" in dec:
+            scores = scores + torch.einsum("tkgd,lkd->tkgl", qf, dec["outliers"])
     scores = scores * scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)

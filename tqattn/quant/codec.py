@@ -9,6 +9,10 @@ vector after the optional correction: "nc" rescales ĉ to unit norm (vLLM's norm
 (TurboQuant_prod) the mse part uses one bit less and the residual r = x̂ − ĉ @ Rᵀ is stored as
 sign(r @ Sᵀ) (S a seeded Gaussian D×D matrix, independent of R) plus fp16 ‖r‖; its estimate is
 ‖r‖·√(π/2)/D · sign(r Sᵀ) @ S.
+Outlier-split mse keys (``outliers`` = m > 0): first the m channels of largest |k| (ties: the
+lower channel) are taken out as o = e4m3(k_c) (±448 saturation), stored as (channel byte, e4m3
+byte), and k_c is replaced by k_c − o; that vector is then coded as above. Decoded: the above
+plus o at each stored channel; scored: ⟨q R, n ĉ⟩ + Σ q_c·o.
 Keys ("fp8"): e4m3, unscaled and unrotated (vLLM); values beyond ±448 saturate.
 Values ("uniform"): per token and KV head, scale = (max − min)/(2^b − 1) (at least 1e-8),
 q = clamp(floor((v − min)/scale + 0.5)), stored with fp16 scale and fp16 min; v̂ = q·scale + min.
@@ -224,12 +228,37 @@ class TQCodec:
             k8 = k.to(torch.float8_e4m3fn)
             slots[..., f.offset:f.offset + f.nbytes] = k8.view(torch.uint8)
             return
+        if self.preset.key.outliers:
+            k = self._split_outliers(k, slots)
         unit, c = self._encode_unit(k, self.keys, slots, "k_norm", fold)
         if self.qjl_matrix is not None:
             r = unit - c @ self.rotation.T
             f = self.layout.field("k_qjl")
             slots[..., f.offset:f.offset + f.nbytes] = pack_bits((r @ self.qjl_matrix.T >= 0).to(torch.uint8), 1)
             self._put_fp16(slots, "k_rnorm", r.norm(dim=-1))
+
+    def _split_outliers(self, k: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Store the outlier channels of k; return k with them replaced by their e4m3 residual
+        (non-finite vectors stay non-finite: their norm becomes the NaN marker)."""
+        bad = ~torch.isfinite(k).all(-1, keepdim=True)
+        kz = torch.where(bad, torch.zeros_like(k), k)
+        m = self.preset.key.outliers
+        # stable descending sort: equal magnitudes keep the lower channel first (as the kernel)
+        idx = torch.sort(kz.abs(), dim=-1, descending=True, stable=True).indices[..., :m]
+        o8 = kz.gather(-1, idx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        for name, x in (("k_out_idx", idx.to(torch.uint8)), ("k_out_val", o8.view(torch.uint8))):
+            f = self.layout.field(name)
+            slots[..., f.offset:f.offset + f.nbytes] = x
+        rest = kz.scatter_add(-1, idx, -o8.float())
+        return torch.where(bad, k, rest)
+
+    def outlier_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        """The stored outliers scattered into dense (..., D) vectors (0 elsewhere)."""
+        fi, fv = self.layout.field("k_out_idx"), self.layout.field("k_out_val")
+        idx = slots[..., fi.offset:fi.offset + fi.nbytes].long()
+        val = slots[..., fv.offset:fv.offset + fv.nbytes].contiguous().view(torch.float8_e4m3fn)
+        dense = torch.zeros(*slots.shape[:-1], self.head_dim, device=slots.device)
+        return dense.scatter_(-1, idx, val.float())
 
     def _encode_values(self, v: torch.Tensor, slots: torch.Tensor, fold: bool) -> None:
         if self.values is not None:
@@ -275,6 +304,8 @@ class TQCodec:
             f = self.layout.field("k_fp8")
             return slots[..., f.offset:f.offset + f.nbytes].contiguous().view(torch.float8_e4m3fn).float()
         k = self.rotated_keys(slots) @ self.rotation.T
+        if self.preset.key.outliers:
+            k = k + self.outlier_keys(slots)
         if self.qjl_matrix is not None:
             signs, coef = self.qjl_parts(slots)
             k = k + coef[..., None] * (signs @ self.qjl_matrix)

@@ -4,7 +4,7 @@ A slot is ``[key fields | value fields | pad to an even size]``; within each par
 codes come first and the fp16 metadata after them (vLLM's order). fp16 fields are read and
 written as two little-endian bytes, so no field needs alignment.
 
-    mse key   k_idx_hi? k_idx  k_norm[2]  (k_qjl k_rnorm[2] with QJL)
+    mse key   k_idx_hi? k_idx  (k_out_idx[n] k_out_val[n])  k_norm[2]  (k_qjl k_rnorm[2] with QJL)
     fp8 key   k_fp8[D]
     uniform v v_q  v_scale[2] v_zero[2]
     tq value  v_idx_hi? v_idx  v_norm[2]
@@ -71,6 +71,11 @@ def build_layout(preset: str | TQPreset, head_dim: int) -> SlotLayout:
         entries.append(("k_fp8", 8, head_dim))
     else:
         entries += _codes("k_idx", k.mse_bits, head_dim)
+        if k.outliers:
+            if head_dim > 256:
+                raise ValueError(f"preset {p.name}: outlier channels are stored as one byte, so "
+                                 f"head size {head_dim} > 256 is not supported")
+            entries += [("k_out_idx", 8, k.outliers), ("k_out_val", 8, k.outliers)]
         entries.append(("k_norm", 16, 1))
         if k.qjl:
             entries += [("k_qjl", 1, head_dim), ("k_rnorm", 16, 1)]

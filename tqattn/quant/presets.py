@@ -10,6 +10,11 @@ slot than a scale and a minimum). Fractional widths (``k3.5``) are the paper's 2
 splits: after the rotation every coordinate has the same law, so the first ``round(f·D)``
 rotated coordinates get one more bit — no per-token outlier bookkeeping. Variants kept for A/B
 measurement (QJL residual, 1/(1−D_b) debias, uniform values) are marked ``experimental``.
+
+Outlier-split keys (``o4`` in a name): before the rotation, the ``n`` largest-|k| channels of each
+key are stored apart as (channel byte, e4m3 value) and replaced by what e4m3 missed (k − fp8(k)),
+so the rotated vector no longer carries their energy; a key decodes to the TurboQuant part plus
+the scattered outliers. Data-oblivious (per vector, no calibration); one byte-pair per outlier.
 Which preset we recommend, and why, is decided by the measurements in the README.
 """
 
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 KEY_CODECS = ("mse", "fp8")
 VALUE_CODECS = ("uniform", "tq")
 CORRECTIONS = ("none", "nc", "debias")
+MAX_OUTLIERS = 16
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,7 @@ class KeySpec:
     bits: float = 8            # mse: 1..4, may be fractional (mixed widths after rotation)
     correction: str = "none"   # "nc": renormalise the centroid vector; "debias": × 1/(1−D_b)
     qjl: bool = False          # TurboQuant_prod: mse at bits−1 + 1-bit QJL residual + its fp16 norm
+    outliers: int = 0          # mse: the n largest-|k| channels of each vector kept apart (below)
 
     @property
     def mse_bits(self) -> float:
@@ -77,6 +84,11 @@ def _validate(p: TQPreset) -> None:
             raise ValueError(f"preset {p.name}: key mse bits {k.mse_bits} not in 1..4")
         if k.qjl and (k.bits != int(k.bits) or k.correction != "none"):
             raise ValueError(f"preset {p.name}: QJL needs integer bits and no correction")
+        if not 0 <= k.outliers <= MAX_OUTLIERS or (k.outliers and k.qjl):
+            raise ValueError(f"preset {p.name}: key outliers {k.outliers} not in "
+                             f"0..{MAX_OUTLIERS} (and not with QJL)")
+    elif k.outliers:
+        raise ValueError(f"preset {p.name}: key outliers need mse keys")
     if k.correction not in CORRECTIONS or v.correction not in CORRECTIONS:
         raise ValueError(f"preset {p.name}: correction must be one of {CORRECTIONS}")
     if v.codec == "uniform" and (v.bits not in (1, 2, 3, 4, 8) or v.correction != "none"):
@@ -93,8 +105,8 @@ def _vllm(name, key, value, desc):
 
 
 def _ours(name, kbits, vbits, desc, *, kcorr="nc", vcodec="tq", vcorr="nc", qjl=False,
-          experimental=False):
-    return TQPreset(name, KeySpec("mse", kbits, kcorr, qjl),
+          outliers=0, experimental=False):
+    return TQPreset(name, KeySpec("mse", kbits, kcorr, qjl, outliers),
                     ValueSpec(vcodec, vbits, vcorr if vcodec == "tq" else "none"),
                     rotation_signs=True, codebook="exact", experimental=experimental,
                     description=desc)
@@ -113,6 +125,8 @@ _PRESETS = [
     _ours("tq_k4v3", 4, 3, "4-bit keys, rotated 3-bit values"),
     _ours("tq_k3.5v3.5", 3.5, 3.5, "paper's 3.5-bit split for keys and values"),
     _ours("tq_k3.5v3", 3.5, 3, "3.5-bit keys, rotated 3-bit values"),
+    _ours("tq_k3o4v3.5", 3, 3.5, "3-bit keys + 4 outlier channels per key, 3.5-bit values",
+          outliers=4),
     _ours("tq_k3v4", 3, 4, "3-bit keys, rotated 4-bit values"),
     _ours("tq_k3v3", 3, 3, "3-bit keys and rotated 3-bit values"),
     _ours("tq_k4v2", 4, 2, "4-bit keys, rotated 2-bit values"),

@@ -33,7 +33,7 @@ from tqattn.quant.codec import TQCodec  # noqa: E402
 from tqattn.quant.paged import kv_cache_shape  # noqa: E402
 
 VLLM = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
-OURS = ["tq_k4v4", "tq_k3.5v3.5", "tq_k3v3"]
+OURS = ["tq_k4v4", "tq_k3.5v3.5", "tq_k3v3", "tq_k3o4v3.5"]
 COSINE_ONLY = ["tq_k4v3", "tq_k3v4", "tq_k4v2"]
 BS = 16
 

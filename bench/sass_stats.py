@@ -80,7 +80,7 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
     return kernel, {**cex, "num_warps": num_warps}
 
 
-def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16):
+def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16, early: int = 1):
     """Compile kernels/decode_mma.py's kernel for sm_90 (turboquant_k3v4_nc, head size 128) as
     the dispatch launches it (1 warp, the register cap of its prefetch mode)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -91,7 +91,7 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16):
     fn = decode_mma._decode_mma_kernel
     cex = dict(GROUP=group, HK=8, BS=block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
                V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
-               PREFETCH=prefetch, WRITE_LSE=False, PDL=True, EARLY=True)
+               PREFETCH=prefetch, WRITE_LSE=False, PDL=True, EARLY=early)
     ptrs = {"q_ptr": "*fp16", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
             "po_ptr": "*fp32", "plse_ptr": "*fp32", "tab_ptr": "*i32", "out_ptr": "*bf16",
             "lse_ptr": "*fp32", "count_ptr": "*i32"}
@@ -181,9 +181,11 @@ def main():
     ap.add_argument("--mma", action="store_true",
                     help="the Gluon tensor-core kernel (turboquant_k3v4_nc) instead")
     ap.add_argument("--prefetch", action="store_true", help="--mma: the prefetching variant")
+    ap.add_argument("--early", type=int, default=1, choices=(0, 1, 2),
+                    help="--mma: the kernel's EARLY (2: decode steps that store new K/V)")
     args = ap.parse_args()
     if args.mma:
-        kernel, cex = compile_mma(args.prefetch, args.group)
+        kernel, cex = compile_mma(args.prefetch, args.group, early=args.early)
         st = loop_stats(*disassemble(kernel.asm["cubin"]))
         res = resources(kernel.asm["cubin"])
         st.update(resources=res, programs_per_sm=occupancy(res, 1, kernel.metadata.shared),

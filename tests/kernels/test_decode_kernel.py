@@ -139,3 +139,9 @@ def test_mma_dispatch_plumbing(monkeypatch):
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, window=8, num_splits=3,
                                    BLOCK_N=16)
     assert len(calls) == 2  # windows run the Triton kernel
+    # a step's new K/V: stored by the rotation launch; the first tile is read before the wait
+    # except in the program whose first tile holds a sequence's last token
+    k, v = torch.randn(2, 2, 2, 128)
+    slots = torch.tensor([int(bt[0, 39 // 16]) * 16 + 39 % 16, int(bt[1, 0]) * 16 + 8])
+    decode.decode_attention_triton(codec, q, cache, bt, seq_lens, new_kv=(k, v, slots))
+    assert calls[-1][-1] == {"early_loads": "except_last"}

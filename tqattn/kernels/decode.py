@@ -700,6 +700,8 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         qk = store.store_kv_and_rotate_query(spec.codec, *new_kv[:2], kv_cache, new_kv[2], q,
                                              *decode_mma.query_rotation(spec, q.device, scale),
                                              launch_dependents=pdl)
+    # new_kv: each sequence's token at seq_len − 1 is stored by the rotation kernel
+    early = True if new_kv is None else "except_last"
     prefetch = cfg["mma_prefetch"]
     if prefetch is None:  # long splits (B·Hk fills the SMs): prefetch pays for its registers
         prefetch = batch * hk >= _num_sms(q.device)
@@ -708,7 +710,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         # (bench/results/decode_tune_s6_2_h200_prelim.md: 13 programs per SM where 12 fit
         # took 84 µs at B = 8, 16K; 12: 67 µs)
         per_sm = cfg["mma_programs_per_sm"] or decode_mma.programs_per_sm(
-            spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, new_kv is None)
+            spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early)
         num_splits = max(1, min(64, per_sm * _num_sms(q.device) // (batch * hk)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -716,7 +718,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
     decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                      num_splits, prefetch, pdl, early_loads=new_kv is None)
+                      num_splits, prefetch, pdl, early_loads=early)
     return (out, lse) if return_lse else out
 
 

@@ -331,10 +331,12 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     rho = gl.arange(0, TILE, layout=_ROWS)
     tau = 8 * (rho % 8) + rho // 8
 
-    # EARLY: the first tile's words are loaded before the wait (the cache does not depend on
-    # the rotation kernel). Without PREFETCH the page indices run one tile ahead of the words,
-    # so a block-table miss never waits in line before a tile's word loads
-    if EARLY:
+    # EARLY (1, 2): the first tile's words are loaded before the wait (the cache does not
+    # depend on the rotation kernel; 2: except the token at seq_len − 1, which the kernel before
+    # stores — the program whose first tile holds it loads that tile again after the wait).
+    # Without PREFETCH the page indices run one tile ahead of the words, so a block-table miss
+    # never waits in line before a tile's word loads
+    if EARLY > 0:
         kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
                                 BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
     pages = _pages(t0 + 1, seq_len, bt_row, lane, BS)
@@ -343,9 +345,13 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         # overlaps its tail; the query (its output) is read only after the grid dependency
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    if not EARLY:
+    if EARLY == 0:
         kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
                                 BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
+    elif EARLY == 2:
+        if t0 == n_tiles - 1:
+            kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane,
+                                    sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
     # the rotated, scaled fp16 query (kernels/qrot.py, columns in operand order) as Qᵀ
     kq = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
     hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
@@ -435,10 +441,14 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
                 VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, WRITE_LSE=lse is not None, PDL=pdl,
-                EARLY=early or not pdl, launch_pdl=pdl, num_warps=1,
+                EARLY=EARLY_MODES[early] if pdl else 1, launch_pdl=pdl, num_warps=1,
                 maxnreg=MAXNREG[bool(prefetch)])
     return args, meta
 
+
+# early_loads → the kernel's EARLY (see the kernel): True, False, or "except_last" (the kernel
+# before stores each sequence's token at seq_len − 1: decode steps with new_kv)
+EARLY_MODES = {False: 0, True: 1, "except_last": 2}
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
 # SM without prefetch (148 registers), 8 with the prefetched words of the next tile (214)
@@ -447,7 +457,7 @@ _RESIDENT: dict = {}
 
 
 def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool,
-                    pdl: bool, early_loads: bool) -> int:
+                    pdl: bool, early_loads: bool | str) -> int:
     """One-warp programs an SM holds at once, from the register count of the kernel variant
     that :func:`launch` runs with these flags (the split count fills one wave of them)."""
     key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, qk.dtype,
@@ -488,13 +498,14 @@ def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False) -> tor
 
 def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
            num_splits: int, prefetch: bool = True, pdl: bool = False,
-           early_loads: bool = True) -> None:
+           early_loads: bool | str = True) -> None:
     """qk: :func:`rotated_query`; part/plse: split scratch; out (rows, Hq, D) and lse (rows, Hq)
     or None receive the merged result. pdl: launch as a programmatic dependent of the kernel
     before it in the stream, which must be the query rotation (the kernel overlaps its prologue
     with that kernel and waits for its completion before reading ``qk``; work before the
     rotation kernel is complete when it starts). early_loads: the prologue may read the cache
-    before that wait (not when the rotation kernel also stores into it)."""
+    before that wait; False when the rotation kernel also stores into it, "except_last" when
+    what it stores is each sequence's token at seq_len − 1 (that tile is read after the wait)."""
     if out.stride(-1) != 1:
         raise ValueError(f"out must have a contiguous last dimension, strides {out.stride()}")
     if not 1 <= num_splits <= MAX_SPLITS:

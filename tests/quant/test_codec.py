@@ -235,3 +235,14 @@ def test_outlier_preset_limits():
                 KeySpec("mse", 3, qjl=True, outliers=2)):
         with pytest.raises(ValueError, match="outliers"):
             TQPreset("bad", key, ValueSpec("tq", 3), rotation_signs=True, codebook="exact")
+
+
+def test_outlier_channels_past_the_head_size_add_nothing():
+    """Never-written slots hold any bytes: a channel byte >= D must not index out of range."""
+    codec = TQCodec("tq_k3o4v3.5", 64)
+    slots = codec.encode(torch.randn(2, 64), torch.randn(2, 64))
+    f_idx = codec.layout.field("k_out_idx")
+    want = codec.outlier_keys(slots)
+    slots[0, f_idx.offset] = 200
+    got = codec.outlier_keys(slots)
+    assert torch.equal(got[1], want[1]) and int((got[0] != 0).sum()) == 3

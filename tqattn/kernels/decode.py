@@ -8,8 +8,8 @@ the rotated basis: ``score_j = scale · n_j · ⟨q R, ĉ_j⟩`` (pages store "n
 n/‖ĉ‖) — the per-token factor scales the score column, never K. Uniform values enter as their
 codes (``p·v = (p·scale) @ codes + p·zero``); rotated ("tq") values as centroids with ``p``
 scaled by ``n/‖ĉ‖`` — accumulated in the rotated basis and un-rotated once after the merge.
-Outlier-split keys add ``⟨q, o_j⟩`` per token, gathering the unrotated query at the stored
-channels (an L1-resident gather; this path is about accuracy per byte, not speed).
+Outlier-split keys add ``⟨q, o_j⟩`` per token: per stored outlier, the unrotated query rows
+gathered at its channel (L1 hits) times its value.
 
 Inner loop: a packed word holds CPW codes (8 for 3-bit, 2 for 4-bit); code i of every word
 forms its own ``[BLOCK_N, G]`` tile and its own ``tl.dot`` with the matching query columns
@@ -222,15 +222,22 @@ def _value_tiles(w, lut_ptr, cm, TQ: tl.constexpr, BITS: tl.constexpr, CPW: tl.c
 
 @triton.jit
 def _outlier_scores(qo_ptr, qo_rows, row_ok, cache_ptr, bt_row, tok, ok, sc_b, kvh_off,
-                    BS: tl.constexpr, IDX_OFF: tl.constexpr, VAL_OFF: tl.constexpr,
-                    NOUT: tl.constexpr, NOUTP: tl.constexpr):
-    """⟨q, o_j⟩ [M, N] fp32: each token's stored outliers against the unrotated query rows."""
+                    BS: tl.constexpr, D: tl.constexpr, IDX_OFF: tl.constexpr,
+                    VAL_OFF: tl.constexpr, NOUT: tl.constexpr):
+    """⟨q, o⟩ [M, N] fp32 of the tokens' stored outliers: per outlier, the unrotated query rows
+    gathered at its channel (L1-resident loads) times its value. Channels >= D (bytes of a
+    slot never written) add nothing."""
     blk = tl.load(bt_row + tok // BS, mask=ok, other=0).to(tl.int64)
-    idx, val = _tl.load_outliers(cache_ptr, blk * sc_b + kvh_off, tok % BS, ok, IDX_OFF,
-                                 VAL_OFF, NOUT, NOUTP)
-    qg = tl.load(qo_ptr + qo_rows[:, None, None] + idx[None, :, :], mask=row_ok[:, None, None],
-                 other=0.0).to(tl.float32)
-    return tl.sum(qg * val[None, :, :], axis=2)
+    at = blk * sc_b + kvh_off + (tok % BS) * NOUT
+    o = tl.zeros([qo_rows.shape[0], tok.shape[0]], tl.float32)
+    for j in tl.static_range(NOUT):
+        c = tl.load(cache_ptr + IDX_OFF + at + j, mask=ok, other=0).to(tl.int32)
+        v = _tl.fp8_e4m3_value(tl.load(cache_ptr + VAL_OFF + at + j, mask=ok, other=0)
+                               .to(tl.int32))
+        qg = tl.load(qo_ptr + qo_rows[:, None] + c[None, :],
+                     mask=row_ok[:, None] & (ok & (c < D))[None, :], other=0.0)
+        o += qg.to(tl.float32) * v[None, :]
+    return o
 
 
 @triton.jit
@@ -506,7 +513,7 @@ def _decode_split_kernel(
                 if K_NOUT > 0:
                     s = (s * fk[None, :] + _outlier_scores(
                         qo_ptr, qo_rows, row_ok, cache_ptr, bt_row, tok, ok, sc_b, kvh_off, BS,
-                        KOI_OFF, KOV_OFF, K_NOUT, K_NOUTP)) * qk_scale
+                        D, KOI_OFF, KOV_OFF, K_NOUT)) * qk_scale
                 else:
                     s = s * (fk * qk_scale)[None, :]
             if HAS_SOFTCAP:
@@ -633,7 +640,8 @@ def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
     asm = _asm_meta(spec, cfg["ASM"] and not interp)
     # per path, from the H200 sweep over every preset (bench/results/decode_tune_s4_h200.md)
     if asm["K0_ASM"]:
-        warps, block_n = 2, 64
+        # outlier gathers at 64 tokens: ~5K spill instructions in the loop (sass_stats)
+        warps, block_n = 2, 32 if spec.meta["K_NOUT"] else 64
     elif asm["V_ASM"]:
         warps, block_n = 1, 32
     else:

@@ -75,11 +75,16 @@ def _store_codes(code, cache_ptr, base, off, h_ok, HB: tl.constexpr, BS: tl.cons
 
 
 @triton.jit
-def _centroid_ss(code, tab_ptr, LUT: tl.constexpr, COUNT: tl.constexpr):
+def _centroid_ss(code, tab_ptr, LUT: tl.constexpr, BITS: tl.constexpr, COUNT: tl.constexpr):
     """Σĉ² [HB] in fp64 over the first COUNT columns (exact up to the last bits: the folded
-    norm's fp16 rounding then matches the reference whatever the summation order)."""
+    norm's fp16 rounding then matches the reference whatever the summation order). Centroids
+    by selects from the table's scalars, which load at the start: a gather here would add a
+    memory round trip to the store's latency chain."""
     j = tl.arange(0, code.shape[1])[None, :]
-    c = tl.load(tab_ptr + LUT + code, mask=j < COUNT, other=0.0).to(tl.float64)
+    c = tl.zeros(code.shape, tl.float32)
+    for i in tl.static_range(1 << BITS):
+        c = tl.where(code == i, tl.load(tab_ptr + LUT + i), c)
+    c = tl.where(j < COUNT, c, 0.0).to(tl.float64)
     return tl.sum(c * c, axis=1)
 
 
@@ -118,7 +123,7 @@ def _outlier_rows(oidx, oval, rot_ptr, D: tl.constexpr, START: tl.constexpr,
 
 
 @triton.jit
-def _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, corr, D: tl.constexpr, DP: tl.constexpr,
+def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, D: tl.constexpr, DP: tl.constexpr,
             BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr, COUNT: tl.constexpr,
             FDP: tl.constexpr, TF32X3: tl.constexpr, HAS_CORR: tl.constexpr):
     """Rotated unit vectors restricted to coordinates [START, START+COUNT): [HB, FDP] fp32;
@@ -137,7 +142,7 @@ def _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, corr, D: tl.constexpr, DP: tl.
             # load and the split: bad rows are masked at the load and the division by the norm
             # follows the dots.)
             xk = tl.load(x_ptr + rows[:, None] + kk[None, :],
-                         mask=(h_ok & (bad == 0))[:, None] & (kk < D)[None, :],
+                         mask=(ld_ok & (bad == 0))[:, None] & (kk < D)[None, :],
                          other=0.0).to(tl.float32)
             xh, xl = _tf32_split(xk)
             rh, rl = _tf32_split(r)
@@ -146,7 +151,7 @@ def _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, corr, D: tl.constexpr, DP: tl.
             y = tl.dot(xh, rh, y, input_precision="tf32")
         else:  # IEEE fp32 on the FMA units (the whole store 1.5x slower at 16K tokens)
             xk = tl.load(x_ptr + rows[:, None] + kk[None, :],
-                         mask=h_ok[:, None] & (kk < D)[None, :], other=0.0).to(tl.float32)
+                         mask=ld_ok[:, None] & (kk < D)[None, :], other=0.0).to(tl.float32)
             uk = tl.math.div_rn(tl.where(bad[:, None], 0.0, xk), den[:, None])
             y += tl.dot(uk, r, input_precision="ieee")
     if TF32X3:
@@ -173,10 +178,10 @@ def _bucketize(y, tab_ptr, BND: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(x_ptr, rows, h_ok, D: tl.constexpr, DP: tl.constexpr):
+def _row_stats(x_ptr, rows, ld_ok, D: tl.constexpr, DP: tl.constexpr):
     """(row is non-finite [HB], x with bad rows zeroed [HB, DP], mask [HB, DP])."""
     d = tl.arange(0, DP)
-    m = h_ok[:, None] & (d < D)[None, :]
+    m = ld_ok[:, None] & (d < D)[None, :]
     x = tl.load(x_ptr + rows[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     nonfin = (x != x) | (tl.abs(x) == float("inf"))
     bad = tl.max(nonfin.to(tl.int32), axis=1) > 0
@@ -184,7 +189,7 @@ def _row_stats(x_ptr, rows, h_ok, D: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
-def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
+def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                  D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
                  TF32X3: tl.constexpr, BS: tl.constexpr, N_OFF: tl.constexpr,
                  FOLD: tl.constexpr, NOUT: tl.constexpr, NOUTP: tl.constexpr,
@@ -199,7 +204,7 @@ def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                  F1_BND: tl.constexpr, F1_CM: tl.constexpr):
     """Norm + rotation + Lloyd–Max codes of x rows (the codec's _encode_unit), after taking
     NOUT outlier channels out (the codec's _split_outliers)."""
-    bad, x, _ = _row_stats(x_ptr, rows, h_ok, D, DP)
+    bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
     if NOUT > 0:
         oidx, oval = _split_outliers(x, h_ok, cache_ptr, base, off, D, DP, HB, OI_OFF, OV_OFF,
                                      NOUT, NOUTP)
@@ -212,21 +217,21 @@ def _encode_unit(x_ptr, rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
         corr1 = tl.zeros([HB, F1_GP * F1_CPW], tl.float32)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
-    y = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, corr0, D, DP, BK, HB, F0_START, F0_COUNT,
+    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, D, DP, BK, HB, F0_START, F0_COUNT,
                 F0_GP * F0_CPW, TF32X3, NOUT > 0)
     code = _bucketize(y, tab_ptr, F0_BND, F0_BITS)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0_OFF, F0_BITS, F0_W, F0_G, F0_GP,
                  F0_CPW, F0_CM)
     if FOLD:
-        ss = _centroid_ss(code, tab_ptr, F0_LUT, F0_COUNT)
+        ss = _centroid_ss(code, tab_ptr, F0_LUT, F0_BITS, F0_COUNT)
     if HAS_F1:
-        y1 = _rotate(x_ptr, rows, h_ok, bad, den, rot_ptr, corr1, D, DP, BK, HB, F1_START,
+        y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, D, DP, BK, HB, F1_START,
                      F1_COUNT, F1_GP * F1_CPW, TF32X3, NOUT > 0)
         code1 = _bucketize(y1, tab_ptr, F1_BND, F1_BITS)
         _store_codes(code1, cache_ptr, base, off, h_ok, HB, BS, F1_OFF, F1_BITS, F1_W, F1_G,
                      F1_GP, F1_CPW, F1_CM)
         if FOLD:
-            ss += _centroid_ss(code1, tab_ptr, F1_LUT, F1_COUNT)
+            ss += _centroid_ss(code1, tab_ptr, F1_LUT, F1_BITS, F1_COUNT)
     if FOLD:  # "nc": the page stores n / ‖ĉ‖ (tqattn.quant.paged)
         nrm = (nrm.to(tl.float64) / tl.sqrt(ss)).to(tl.float32)  # fp64: IEEE div and sqrt
     _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
@@ -270,13 +275,16 @@ def _store_kernel(
         if pid >= 2 * n_kv:
             qrot.rotate_block(q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, pid - 2 * n_kv, D,
                               QROT_BLOCK, QROT_BLOCK_C)
-    r = (pid % n_kv) * HB + tl.arange(0, HB)
-    is_key = pid < n_kv
-    n = r // HK
-    h = r % HK
-    slot = tl.load(slot_ptr + n, mask=(r < N_ROWS) & (pid < 2 * n_kv), other=-1).to(tl.int64)
-    h_ok = slot >= 0  # padding tokens (negative slots) and rows past the end write nothing
-    if tl.max(h_ok.to(tl.int32), axis=0) > 0:
+    if pid < 2 * n_kv:
+        r = (pid % n_kv) * HB + tl.arange(0, HB)
+        is_key = pid < n_kv
+        n = r // HK
+        h = r % HK
+        # rows are loaded as they exist (ld_ok), so the input loads do not wait for the slot
+        # load; padding tokens (negative slots) and rows past the end write nothing (h_ok)
+        ld_ok = r < N_ROWS
+        slot = tl.load(slot_ptr + n, mask=ld_ok, other=-1).to(tl.int64)
+        h_ok = slot >= 0
         blk = tl.where(h_ok, slot, 0) // BS
         off = tl.where(h_ok, slot, 0) % BS
         base = blk * sc_b + h.to(tl.int64) * sc_h
@@ -286,29 +294,27 @@ def _store_kernel(
         if is_key:
             if K_FP8:
                 d = tl.arange(0, DP)
-                m = h_ok[:, None] & (d < D)[None, :]
-                x = tl.load(k_ptr + k_rows[:, None] + d[None, :], mask=m,
-                            other=0.0).to(tl.float32)
+                x = tl.load(k_ptr + k_rows[:, None] + d[None, :],
+                            mask=ld_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
                 tl.store(_tl.row_ptr(cache_ptr, base, off, K0_OFF, K0_G, K0_CM)
                          + (d[None, :] * BS if K0_CM else d[None, :]),
-                         _fp8_e4m3(x).to(tl.uint8), mask=m)
+                         _fp8_e4m3(x).to(tl.uint8), mask=h_ok[:, None] & (d < D)[None, :])
             else:
-                _encode_unit(k_ptr, k_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP,
-                             BK, HB, TF32X3, BS, KN_OFF, K_CORR == 1, K_NOUT, K_NOUTP, KOI_OFF,
-                             KOV_OFF, HAS_K1, K0_OFF, K0_BITS,
-                             K0_W, K0_G, K0_GP, K0_CPW, K0_START, K0_COUNT, K0_LUT, K0_BND,
-                             K0_CM, K1_OFF, K1_BITS, K1_W, K1_G, K1_GP, K1_CPW, K1_START,
-                             K1_COUNT, K1_LUT, K1_BND, K1_CM)
+                _encode_unit(k_ptr, k_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
+                             D, DP, BK, HB, TF32X3, BS, KN_OFF, K_CORR == 1, K_NOUT, K_NOUTP,
+                             KOI_OFF, KOV_OFF, HAS_K1, K0_OFF, K0_BITS, K0_W, K0_G, K0_GP,
+                             K0_CPW, K0_START, K0_COUNT, K0_LUT, K0_BND, K0_CM, K1_OFF, K1_BITS,
+                             K1_W, K1_G, K1_GP, K1_CPW, K1_START, K1_COUNT, K1_LUT, K1_BND,
+                             K1_CM)
         else:
             if V_TQ:
-                _encode_unit(v_ptr, v_rows, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr, D, DP,
-                             BK, HB, TF32X3, BS, VN_OFF, V_CORR == 1, 0, 1, 0, 0, HAS_V1, V0_OFF,
-                             V0_BITS,
-                             V0_W, V0_G, V0_GP, V0_CPW, V0_START, V0_COUNT, V0_LUT, V0_BND,
-                             V0_CM, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW, V1_START,
-                             V1_COUNT, V1_LUT, V1_BND, V1_CM)
+                _encode_unit(v_ptr, v_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
+                             D, DP, BK, HB, TF32X3, BS, VN_OFF, V_CORR == 1, 0, 1, 0, 0, HAS_V1,
+                             V0_OFF, V0_BITS, V0_W, V0_G, V0_GP, V0_CPW, V0_START, V0_COUNT,
+                             V0_LUT, V0_BND, V0_CM, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW,
+                             V1_START, V1_COUNT, V1_LUT, V1_BND, V1_CM)
             else:
-                bad, v, m = _row_stats(v_ptr, v_rows, h_ok, D, V0_GP * V0_CPW)
+                bad, v, m = _row_stats(v_ptr, v_rows, ld_ok, D, V0_GP * V0_CPW)
                 vmin = tl.min(tl.where(m, v, float("inf")), axis=1)
                 vmax = tl.max(tl.where(m, v, float("-inf")), axis=1)
                 levels = tl.full(vmax.shape, V_LEVELS, tl.float32)

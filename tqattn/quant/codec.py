@@ -253,12 +253,14 @@ class TQCodec:
         return torch.where(bad, k, rest)
 
     def outlier_keys(self, slots: torch.Tensor) -> torch.Tensor:
-        """The stored outliers scattered into dense (..., D) vectors (0 elsewhere)."""
+        """The stored outliers scattered into dense (..., D) vectors (0 elsewhere). Bytes of
+        slots never written may name channels >= D: those add nothing (as in the kernels)."""
         fi, fv = self.layout.field("k_out_idx"), self.layout.field("k_out_val")
-        idx = slots[..., fi.offset:fi.offset + fi.nbytes].long()
+        d = self.head_dim
+        idx = slots[..., fi.offset:fi.offset + fi.nbytes].long().clamp(max=d)
         val = slots[..., fv.offset:fv.offset + fv.nbytes].contiguous().view(torch.float8_e4m3fn)
-        dense = torch.zeros(*slots.shape[:-1], self.head_dim, device=slots.device)
-        return dense.scatter_(-1, idx, val.float())
+        dense = torch.zeros(*slots.shape[:-1], d + 1, device=slots.device)
+        return dense.scatter_add_(-1, idx, val.float())[..., :d]
 
     def _encode_values(self, v: torch.Tensor, slots: torch.Tensor, fold: bool) -> None:
         if self.values is not None:

@@ -111,7 +111,7 @@ def test_rotate_query():
 
 def test_mma_dispatch_plumbing(monkeypatch):
     """The tensor-core path's host side (kernel launch stubbed: it needs a GPU): split count =
-    one wave of the resident programs, prefetch by B·Hk, outputs allocated in q's
+    one wave of the resident programs, prefetch by default, outputs allocated in q's
     dtype, LSE only on request, the rotated query as the kernel sees it."""
     from tqattn.kernels import decode, decode_mma
     from tqattn.kernels.qrot import rotate_query_ref
@@ -126,7 +126,7 @@ def test_mma_dispatch_plumbing(monkeypatch):
     out, lse = decode.decode_attention_triton(codec, q, cache, bt, seq_lens, return_lse=True)
     (spec, qk, _, _, _, part, plse, o, l, group, splits, prefetch, pdl, kw), = calls
     assert o is out and l is lse and out.dtype == torch.bfloat16 and lse.shape == (2, 8)
-    # 4 "SMs" on CPU: B·Hk = 4 fills them, so the words of the next tile are prefetched
+    # 4 "SMs" on CPU; the words of the next tile are prefetched by default
     assert (group, splits, prefetch, pdl, kw) == (4, 7 * 4 // (2 * 2), True, False,
                                                   {"early_loads": True})
     assert part.shape == (2, 8, splits, 128) and plse.shape == (2, 8, splits)

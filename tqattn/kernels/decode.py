@@ -627,11 +627,14 @@ def _num_sms(device) -> int:
 # 32 tokens / 1 warp, the byte-wise paths at 4 warps and the largest tile that does not spill
 # (_block_n). Triton's own pipelining (num_stages > 1) routes the centroid gathers through
 # shared memory and is 3-4x slower. MMA: the tensor-core kernel where it applies
-# (decode_mma.supported); mma_programs_per_sm / mma_prefetch / mma_pdl None: chosen per call
-# (_decode_mma).
+# (decode_mma.supported); mma_programs_per_sm / mma_pdl None: chosen per call (_decode_mma).
+# mma_prefetch: the words of the next tile in flight (8 programs per SM instead of 12) won at
+# every shape measured, B = 1-128, 4K-64K (bench/results/decode_tune_s7_prefetch_h200_prelim.md,
+# decode_tune_s7_2_prefetch_h200_prelim.md: B = 1 at 64K 56.8 vs 71.6 µs, B = 8 at 16K 60.4 vs
+# 64.9).
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
-            "mma_programs_per_sm": None, "mma_prefetch": None, "mma_pdl": None}
+            "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -711,8 +714,6 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     # new_kv: each sequence's token at seq_len − 1 is stored by the rotation kernel
     early = True if new_kv is None else "except_last"
     prefetch = cfg["mma_prefetch"]
-    if prefetch is None:  # long splits (B·Hk fills the SMs): prefetch pays for its registers
-        prefetch = batch * hk >= _num_sms(q.device)
     if num_splits is None:
         # exactly one wave of one-warp programs: a partial second wave idles most SMs
         # (bench/results/decode_tune_s6_2_h200_prelim.md: 13 programs per SM where 12 fit

@@ -30,10 +30,11 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
 
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
 programs that the compiled kernel's registers let an SM hold (programs_per_sm), splits differ
-by at most one tile; with B·Hk ≥ #SMs the words of tile t+1 are loaded while tile t is computed
-(214 registers, 8 programs per SM), else not (148, 12 per SM). With programmatic dependent
-launch (sm_90+) the kernel's prologue overlaps the query rotation kernel. Measured (H200):
-bench/results/decode_h200_s6.md.
+by at most one tile; by default the words of tile t+1 are loaded while tile t is computed
+(214 registers, 8 programs per SM; without: 167, 12 per SM — slower at every shape measured).
+With programmatic dependent launch (sm_90+) the kernel's prologue overlaps the query rotation
+kernel (and the store of a decode step's new K/V, launched with it). Measured (H200):
+bench/results/decode_h200_s7.md.
 """
 from __future__ import annotations
 

@@ -44,6 +44,7 @@ def cmd_codec_report(args) -> int:
 
     rep = codec_report(args.head_dim, args.preset or None, seed=args.seed)
     if args.json:
+        rep["command"] = "tqattn " + " ".join(sys.argv[1:])
         print(json.dumps(rep, indent=1))
         return 0
     print(f"Codec report, head size {args.head_dim}: heavy-tailed keys with outlier channels "

@@ -1,8 +1,7 @@
 """Store and dequant kernel configurations at prefill sizes (H200), to pick their defaults.
 
 store: one step of N new tokens (8 KV heads, head size 128) for several rows-per-program, and
-(--decode) at decode sizes (N = 8..128) for several rotation chunks / warps and both tensor-core
-rotation precisions, which are also timed at prefill sizes;
+at decode sizes (--decode: N = 8..128) for several rotation chunks / warps;
 dequant: an 8K compressed prefix of B sequences → bf16 K/V for several (tokens per program,
 warps). Same timing as the other benchmarks (CUDA-graph replay, L2 flushed, median).
 
@@ -27,7 +26,6 @@ from tqattn.quant import paged  # noqa: E402
 from tqattn.quant.codec import TQCodec  # noqa: E402
 
 HK, D, BS = 8, 128, 16
-PRECISIONS = ("tf32x3", "fp16x2")  # the store's rotation on the tensor cores (--decode)
 
 
 def time_store(timer, codec, n, rows_per_program, **tune):
@@ -39,17 +37,17 @@ def time_store(timer, codec, n, rows_per_program, **tune):
                                                   **tune))
 
 
-def profiled_store_us(codec, n, reps=50, **tune):
+def profiled_store_us(codec, n, reps=50):
     from torch.profiler import ProfilerActivity, profile
     nb = n // BS + 1
     cache = torch.zeros(paged.kv_cache_shape(nb, BS, HK, codec), dtype=torch.uint8, device="cuda")
     k, v = torch.randn(2, n, HK, D, device="cuda", dtype=torch.bfloat16)
     slots = torch.randperm(nb * BS, device="cuda")[:n]
-    store_kv_triton(codec, k, v, cache, slots, **tune)
+    store_kv_triton(codec, k, v, cache, slots)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            store_kv_triton(codec, k, v, cache, slots, **tune)
+            store_kv_triton(codec, k, v, cache, slots)
         torch.cuda.synchronize()
     return sum(e.device_time_total for e in prof.key_averages()) / reps
 
@@ -83,21 +81,17 @@ def main():
         r = {"kernel": "floor (one 1-element kernel)", **timer.graph_us(lambda: tiny.add_(1))}
         rows.append(r)
         print(json.dumps(r), flush=True)
-        for prec in PRECISIONS:
-            r = {"kernel": "store (profiler: kernel time, no flush)", "tokens": 32,
-                 "rotation_precision": prec,
-                 "us": profiled_store_us(codec, 32, rotation_precision=prec)}
+        for n in (32,):
+            r = {"kernel": "store (profiler: kernel time, no flush)", "tokens": n,
+                 "us": profiled_store_us(codec, n)}
             rows.append(r)
             print(json.dumps(r), flush=True)
-        for prec in PRECISIONS:
-            for n in (8, 32, 128, 2048, 16384):
-                for bk, w in ((64, 4), (128, 8)) if n <= 128 else ((32, 4),):
-                    r = {"kernel": "store", "tokens": n, "rows_per_program": 16, "block_k": bk,
-                         "num_warps": w, "rotation_precision": prec,
-                         **time_store(timer, codec, n, 16, block_k=bk, num_warps=w,
-                                      rotation_precision=prec)}
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
+        for n in (8, 32, 128):
+            for bk, w in ((32, 4), (64, 4), (128, 8)):
+                r = {"kernel": "store", "tokens": n, "rows_per_program": 16, "block_k": bk,
+                     "num_warps": w, **time_store(timer, codec, n, 16, block_k=bk, num_warps=w)}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
         _save(args, rows)
         return
     for n in (32, 2048, 16384):

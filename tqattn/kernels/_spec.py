@@ -132,16 +132,8 @@ class KernelSpec:
         self.meta = meta
         self.key_fields, self.value_fields = kf, vf
         self.table = torch.cat(tables) if tables else torch.zeros(1)
-        self.hadamard = hadamard_form(codec.rotation)
         self._dev: dict = {}
         self.asm_meta: dict = {}      # decode._asm_meta per "asm on" flag
-
-    def hadamard_on(self, device) -> tuple[torch.Tensor, float]:
-        """(signs fp32 [D] on device, scale) of a randomized-Hadamard rotation (hadamard_form)."""
-        key = ("hadamard", str(device))
-        if key not in self._dev:
-            self._dev[key] = (self.hadamard[0].to(device), self.hadamard[1])
-        return self._dev[key]
 
     def tables_on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(lookup/boundary table fp32, rotation fp32) on device, cached."""
@@ -149,26 +141,6 @@ class KernelSpec:
         if key not in self._dev:
             self._dev[key] = (self.table.to(device), self.codec.rotation.to(device).contiguous())
         return self._dev[key]
-
-
-def hadamard_form(rot: torch.Tensor) -> tuple[torch.Tensor, float] | None:
-    """(s, c) with rot == c·diag(s)·H exactly in fp32 (H the ±1 Sylvester matrix, s = ±1), or
-    None when the rotation has another form (head sizes that are not powers of two)."""
-    d = rot.shape[0]
-    if d & (d - 1):
-        return None
-    r = rot.float().cpu()
-    i = torch.arange(d)
-    a = i[:, None] & i[None, :]
-    parity = torch.zeros_like(a)
-    while bool(a.any()):
-        parity ^= a & 1
-        a = a >> 1
-    s = torch.sign(r[:, 0])
-    c = r[0, 0].abs()
-    if not torch.equal(r, c * s[:, None] * (1 - 2 * parity).float()):
-        return None
-    return s, float(c)
 
 
 _SPECS: dict = {}

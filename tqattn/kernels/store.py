@@ -123,52 +123,18 @@ def _outlier_rows(oidx, oval, rot_ptr, D: tl.constexpr, START: tl.constexpr,
 
 
 @triton.jit
-def _hadamard_rows(sign_ptr, kk, col, D: tl.constexpr):
-    """Rows kk, columns col of √D·R for R = diag(s)·H (Sylvester): s_k·(−1)^popcount(k & c),
-    fp32 ±1 (0 past D) — built in registers, no load of the matrix."""
-    a = kk[:, None] & col[None, :]
-    a = a ^ (a >> 8)
-    a = a ^ (a >> 4)
-    a = a ^ (a >> 2)
-    a = a ^ (a >> 1)
-    sg = tl.load(sign_ptr + kk, mask=kk < D, other=0.0)[:, None]
-    return tl.where((a & 1) == 1, -sg, sg)
-
-
-@triton.jit
-def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, sign_ptr, hscale, corr, D: tl.constexpr,
-            DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr,
-            COUNT: tl.constexpr, FDP: tl.constexpr, MODE: tl.constexpr,
-            HAS_CORR: tl.constexpr, DOT_FP32: tl.constexpr):
+def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, D: tl.constexpr, DP: tl.constexpr,
+            BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr, COUNT: tl.constexpr,
+            FDP: tl.constexpr, TF32X3: tl.constexpr, HAS_CORR: tl.constexpr):
     """Rotated unit vectors restricted to coordinates [START, START+COUNT): [HB, FDP] fp32;
-    with HAS_CORR, of x minus the vectors whose rotation is ``corr`` (outlier channels).
-    MODE: ROT_IEEE, ROT_TF32X3 or ROT_FP16X2 (store_kv_triton)."""
+    with HAS_CORR, of x minus the vectors whose rotation is ``corr`` (outlier channels)."""
     j = tl.arange(0, FDP)
     y = tl.zeros([HB, FDP], tl.float32)
     for k0 in tl.static_range(0, DP, BK):
         kk = k0 + tl.arange(0, BK)
-        if MODE != 2:
-            r = tl.load(rot_ptr + kk[:, None] * D + START + j[None, :],
-                        mask=(kk < D)[:, None] & (j < COUNT)[None, :], other=0.0)
-        if MODE == 2:
-            # R = hscale·M with M = ±1 (randomized Hadamard): the unit vector as fp16 hi + lo
-            # parts times M in two fp16 dots — exact products, fp32 sums, ~2^-22 of |u| lost in
-            # lo's rounding — with M made in registers: no 64 KB matrix load or split in the
-            # store's latency chain
-            xk = tl.load(x_ptr + rows[:, None] + kk[None, :],
-                         mask=(ld_ok & (bad == 0))[:, None] & (kk < D)[None, :],
-                         other=0.0).to(tl.float32)
-            uk = tl.math.div_rn(xk, den[:, None])
-            uh = uk.to(tl.float16)
-            ul = (uk - uh.to(tl.float32)).to(tl.float16)
-            m = tl.where((j < COUNT)[None, :], _hadamard_rows(sign_ptr, kk, START + j, D), 0.0)
-            if DOT_FP32:  # the interpreter's fp16 dot does not accumulate in fp32
-                y = tl.dot(ul.to(tl.float32), m, y, input_precision="ieee")
-                y = tl.dot(uh.to(tl.float32), m, y, input_precision="ieee")
-            else:
-                y = tl.dot(ul, m.to(tl.float16), y)
-                y = tl.dot(uh, m.to(tl.float16), y)
-        elif MODE == 1:
+        r = tl.load(rot_ptr + kk[:, None] * D + START + j[None, :],
+                    mask=(kk < D)[:, None] & (j < COUNT)[None, :], other=0.0)
+        if TF32X3:
             # fp32 accuracy on the tensor cores: x·r ≈ x_hi·r_hi + x_hi·r_lo + x_lo·r_hi with
             # v_hi = v truncated to TF32's 10 mantissa bits (exact in a TF32 dot) and
             # v_lo = v − v_hi; the dropped x_lo·r_lo is ~2^-22 of the product. (Triton 3.6's own
@@ -188,9 +154,7 @@ def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, sign_ptr, hscale, corr, D: tl
                          mask=ld_ok[:, None] & (kk < D)[None, :], other=0.0).to(tl.float32)
             uk = tl.math.div_rn(tl.where(bad[:, None], 0.0, xk), den[:, None])
             y += tl.dot(uk, r, input_precision="ieee")
-    if MODE == 2:
-        y = y * hscale
-    if MODE == 1:
+    if TF32X3:
         if HAS_CORR:
             y = y - corr
         y = tl.math.div_rn(y, den[:, None])
@@ -225,9 +189,9 @@ def _row_stats(x_ptr, rows, ld_ok, D: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
-def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, sign_ptr, hscale,
-                 tab_ptr, D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
-                 MODE: tl.constexpr, DOT_FP32: tl.constexpr, BS: tl.constexpr, N_OFF: tl.constexpr,
+def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
+                 D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
+                 TF32X3: tl.constexpr, BS: tl.constexpr, N_OFF: tl.constexpr,
                  FOLD: tl.constexpr, NOUT: tl.constexpr, NOUTP: tl.constexpr,
                  OI_OFF: tl.constexpr, OV_OFF: tl.constexpr, HAS_F1: tl.constexpr,
                  F0_OFF: tl.constexpr, F0_BITS: tl.constexpr, F0_W: tl.constexpr,
@@ -253,16 +217,16 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, sign_p
         corr1 = tl.zeros([HB, F1_GP * F1_CPW], tl.float32)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
-    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, sign_ptr, hscale, corr0, D, DP, BK, HB,
-                F0_START, F0_COUNT, F0_GP * F0_CPW, MODE, NOUT > 0, DOT_FP32)
+    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, D, DP, BK, HB, F0_START, F0_COUNT,
+                F0_GP * F0_CPW, TF32X3, NOUT > 0)
     code = _bucketize(y, tab_ptr, F0_BND, F0_BITS)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0_OFF, F0_BITS, F0_W, F0_G, F0_GP,
                  F0_CPW, F0_CM)
     if FOLD:
         ss = _centroid_ss(code, tab_ptr, F0_LUT, F0_BITS, F0_COUNT)
     if HAS_F1:
-        y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, sign_ptr, hscale, corr1, D, DP, BK,
-                     HB, F1_START, F1_COUNT, F1_GP * F1_CPW, MODE, NOUT > 0, DOT_FP32)
+        y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, D, DP, BK, HB, F1_START,
+                     F1_COUNT, F1_GP * F1_CPW, TF32X3, NOUT > 0)
         code1 = _bucketize(y1, tab_ptr, F1_BND, F1_BITS)
         _store_codes(code1, cache_ptr, base, off, h_ok, HB, BS, F1_OFF, F1_BITS, F1_W, F1_G,
                      F1_GP, F1_CPW, F1_CM)
@@ -279,9 +243,8 @@ QROT_BLOCK_C = tl.constexpr(qrot.BLOCK_C)
 
 @triton.jit
 def _store_kernel(
-        k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h, rot_ptr, sign_ptr,
-        hscale, tab_ptr, N_ROWS, HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
-        MODE: tl.constexpr, DOT_FP32: tl.constexpr,
+        k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h, rot_ptr, tab_ptr,
+        N_ROWS, HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr, TF32X3: tl.constexpr,
         BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, K_NOUT: tl.constexpr,
         K_NOUTP: tl.constexpr, KOI_OFF: tl.constexpr, KOV_OFF: tl.constexpr,
@@ -337,16 +300,16 @@ def _store_kernel(
                          + (d[None, :] * BS if K0_CM else d[None, :]),
                          _fp8_e4m3(x).to(tl.uint8), mask=h_ok[:, None] & (d < D)[None, :])
             else:
-                _encode_unit(k_ptr, k_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, sign_ptr,
-                             hscale, tab_ptr, D, DP, BK, HB, MODE, DOT_FP32, BS, KN_OFF, K_CORR == 1, K_NOUT, K_NOUTP,
+                _encode_unit(k_ptr, k_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
+                             D, DP, BK, HB, TF32X3, BS, KN_OFF, K_CORR == 1, K_NOUT, K_NOUTP,
                              KOI_OFF, KOV_OFF, HAS_K1, K0_OFF, K0_BITS, K0_W, K0_G, K0_GP,
                              K0_CPW, K0_START, K0_COUNT, K0_LUT, K0_BND, K0_CM, K1_OFF, K1_BITS,
                              K1_W, K1_G, K1_GP, K1_CPW, K1_START, K1_COUNT, K1_LUT, K1_BND,
                              K1_CM)
         else:
             if V_TQ:
-                _encode_unit(v_ptr, v_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, sign_ptr,
-                             hscale, tab_ptr, D, DP, BK, HB, MODE, DOT_FP32, BS, VN_OFF, V_CORR == 1, 0, 1, 0, 0, HAS_V1,
+                _encode_unit(v_ptr, v_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
+                             D, DP, BK, HB, TF32X3, BS, VN_OFF, V_CORR == 1, 0, 1, 0, 0, HAS_V1,
                              V0_OFF, V0_BITS, V0_W, V0_G, V0_GP, V0_CPW, V0_START, V0_COUNT,
                              V0_LUT, V0_BND, V0_CM, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW,
                              V1_START, V1_COUNT, V1_LUT, V1_BND, V1_CM)
@@ -373,7 +336,6 @@ def _store_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
 
-ROT_MODES = {"ieee": 0, "tf32x3": 1, "fp16x2": 2}  # _rotate's MODE
 ROWS_PER_PROGRAM = 16  # (token, KV head) rows; see the module docstring
 # decode-size steps (few rows: every program's latency chain is the kernel's time) load the
 # whole rotation at once with 8 warps: 10.8-11.7 µs vs 12.1-12.8 with 32-wide chunks and 4 warps
@@ -392,30 +354,22 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM; ``block_k`` (the
     rotation's K chunk, a power of two >= 16) and ``num_warps`` are tuning knobs. ``query``
     and ``launch_dependents``: see :func:`store_kv_and_rotate_query`.
-    ``rotation_precision``: "fp16x2" (randomized-Hadamard rotations, i.e. power-of-two head
-    sizes: the ±1 matrix made in registers, two fp16 tensor-core dots; the default on CUDA
-    there), "tf32x3" (three TF32 dots on the loaded matrix; the default on CUDA otherwise) or
+    ``rotation_precision``: "tf32x3" (three TF32 tensor-core dots, the default on CUDA) or
     "ieee" (fp32 FMA dots, the default elsewhere: the interpreter has no TF32).
     """
-    n, hk, d = key.shape
-    bs = cache_block_size(codec, kv_cache)
-    spec = kernel_spec(codec, bs)
     if rotation_precision is None:
-        rotation_precision = ("ieee" if key.device.type != "cuda" else
-                              "fp16x2" if spec.hadamard is not None else "tf32x3")
-    if rotation_precision not in ROT_MODES:
-        raise ValueError(f"rotation_precision={rotation_precision!r}; valid: "
-                         f"{', '.join(map(repr, ROT_MODES))}")
-    if rotation_precision == "fp16x2" and spec.hadamard is None:
-        raise ValueError(f"rotation_precision='fp16x2' needs a randomized-Hadamard rotation "
-                         f"(power-of-two head size), not head size {d}")
+        rotation_precision = "tf32x3" if key.device.type == "cuda" else "ieee"
+    if rotation_precision not in ("tf32x3", "ieee"):
+        raise ValueError(f"rotation_precision={rotation_precision!r}; valid: 'tf32x3', 'ieee'")
+    n, hk, d = key.shape
     if value.shape != key.shape or d != codec.head_dim or kv_cache.shape[1] != hk:
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit a cache "
                          f"of {kv_cache.shape[1]} KV heads at head size {codec.head_dim}")
     if n == 0 and not _allow_empty:
         return
+    bs = cache_block_size(codec, kv_cache)
+    spec = kernel_spec(codec, bs)
     tab, rot = spec.tables_on(key.device)
-    signs, hscale = spec.hadamard_on(key.device) if spec.hadamard is not None else (rot, 1.0)
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:
@@ -435,9 +389,8 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
         q_args, n_q = query, qrot.num_blocks(query[0].shape[0], d)
     _store_kernel[(2 * n_kv + n_q,)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, signs, hscale, tab,
-        rows, HK=hk, HB=hb, BK=bk, MODE=ROT_MODES[rotation_precision],
-        DOT_FP32=key.device.type != "cuda", num_warps=num_warps,
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
+        rows, HK=hk, HB=hb, BK=bk, TF32X3=rotation_precision == "tf32x3", num_warps=num_warps,
         **spec.meta, **dict(zip(("q_ptr", "NQ_ROWS", "qr_ptr", "qo_ptr", "q_scale"), q_args)),
         HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents)
 

@@ -631,10 +631,12 @@ def _num_sms(device) -> int:
 # mma_prefetch: the words of the next tile in flight (8 programs per SM instead of 12) won at
 # every shape measured, B = 1-128, 4K-64K (bench/results/decode_tune_s7_prefetch_h200_prelim.md,
 # decode_tune_s7_2_prefetch_h200_prelim.md: B = 1 at 64K 56.8 vs 71.6 µs, B = 8 at 16K 60.4 vs
-# 64.9).
+# 64.9). mma_store_warps: the warps of the store + query-rotation launch of a decode step
+# (None: the store's decode-size default).
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
-            "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None}
+            "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
+            "mma_store_warps": None}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -710,7 +712,8 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     else:
         qk = store.store_kv_and_rotate_query(spec.codec, *new_kv[:2], kv_cache, new_kv[2], q,
                                              *decode_mma.query_rotation(spec, q.device, scale),
-                                             launch_dependents=pdl)
+                                             launch_dependents=pdl,
+                                             num_warps=cfg["mma_store_warps"])
     # new_kv: each sequence's token at seq_len − 1 is stored by the rotation kernel
     early = True if new_kv is None else "except_last"
     prefetch = cfg["mma_prefetch"]

@@ -16,6 +16,9 @@ import triton.language as tl
 
 
 BLOCK, BLOCK_C = 16, 32  # rows, output columns per program: short chains, many programs
+# inside the store's launch (store_kv_and_rotate_query) the programs take the store's warps and
+# registers (one 8-warp program per SM): fewer, larger query blocks there
+FUSED_BLOCK = 64
 
 
 @triton.jit
@@ -46,8 +49,8 @@ def rotate_query_ref(q: torch.Tensor, r: torch.Tensor, scale: float) -> torch.Te
     return ((q.float() @ r) * scale).to(torch.float16)
 
 
-def num_blocks(rows: int, d: int) -> int:
-    return triton.cdiv(rows, BLOCK) * (d // BLOCK_C)
+def num_blocks(rows: int, d: int, block: int = BLOCK) -> int:
+    return triton.cdiv(rows, block) * (d // BLOCK_C)
 
 
 def check_and_alloc(q: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -237,7 +237,7 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
     _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
 
 
-QROT_BLOCK = tl.constexpr(qrot.BLOCK)
+QROT_BLOCK = tl.constexpr(qrot.FUSED_BLOCK)
 QROT_BLOCK_C = tl.constexpr(qrot.BLOCK_C)
 
 
@@ -386,7 +386,7 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     if query is None:
         q_args, n_q = (key, 0, rot, key, 1.0), 0
     else:
-        q_args, n_q = query, qrot.num_blocks(query[0].shape[0], d)
+        q_args, n_q = query, qrot.num_blocks(query[0].shape[0], d, qrot.FUSED_BLOCK)
     _store_kernel[(2 * n_kv + n_q,)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
@@ -398,11 +398,12 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
 def store_kv_and_rotate_query(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                               kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                               q: torch.Tensor, r: torch.Tensor, scale: float,
-                              launch_dependents: bool = False) -> torch.Tensor:
+                              launch_dependents: bool = False,
+                              num_warps: int | None = None) -> torch.Tensor:
     """:func:`store_kv_triton` and :func:`tqattn.kernels.qrot.rotate_query` (q, r, scale) in
     one launch: the decode step's prologue. Returns the rotated query."""
     q2, out = qrot.check_and_alloc(q, r)
     store_kv_triton(codec, key, value, kv_cache, slot_mapping,
-                    query=(q2, q2.shape[0], r, out, float(scale)),
+                    query=(q2, q2.shape[0], r, out, float(scale)), num_warps=num_warps,
                     launch_dependents=launch_dependents, _allow_empty=True)
     return out.view(q.shape)

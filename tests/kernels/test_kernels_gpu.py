@@ -135,7 +135,9 @@ def test_decode_with_new_kv_gpu(mma):
     store_kv_triton(codec, k, v, a, slots)
     want = decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)
     got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), MMA=mma)
-    assert torch.equal(a, b) and rel_err(got, want) < 1e-5
+    # the fused launch rotates the query in larger blocks than the standalone rotation kernel
+    # (another summation order): a few fp16 query elements round the other way
+    assert torch.equal(a, b) and rel_err(got, want) < 1e-4
     out = torch.empty_like(q)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -149,7 +151,7 @@ def test_decode_with_new_kv_gpu(mma):
         store_kv_triton(codec, k, v, a, slots)
         torch.cuda.synchronize()
         assert torch.equal(a, b)
-        assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)) < 1e-5
+        assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)) < 1e-4
 
 
 @pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3"])

@@ -33,11 +33,13 @@ from tqattn.kernels import decode  # noqa: E402
 from tqattn.kernels._spec import kernel_spec  # noqa: E402
 from tqattn.quant.codec import TQCodec  # noqa: E402
 
-PTRS = {"q_ptr": "*fp32", "qo_ptr": "*bf16", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
+PTRS = {"q_ptr": "*fp32", "qo_ptr": "*bf16", "cache_ptr": "*u8", "bt_ptr": "*i32",
+        "seqlen_ptr": "*i32",
         "qsl_ptr": "*i32", "qpos_ptr": "*i32", "lut_ptr": "*fp32", "po_ptr": "*fp32",
         "plse_ptr": "*fp32"}
 FLOATS = {"scale", "softcap", "kfac", "vfac"}
-ALIGNED_INTS = {"sq_r", "sq_h", "sqo_r", "sqo_h", "sc_b", "sc_h", "sbt", "spo_r", "spo_h", "spo_s", "spl_r", "spl_h"}
+ALIGNED_INTS = {"sq_r", "sq_h", "sqo_r", "sqo_h", "sc_b", "sc_h", "sbt", "spo_r", "spo_h", "spo_s",
+                "spl_r", "spl_h"}
 
 
 def _signature(params, cex: dict, ptrs: dict, aligned: set) -> tuple[dict, dict, dict]:

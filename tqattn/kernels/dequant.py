@@ -120,8 +120,8 @@ def _dequant_kernel(
             if not HAS_K1:
                 c1 = c0
             _unrotate_store(c0 * f[:, None], c1 * f[:, None], k_rows, ok, k_ptr, rot_ptr, oidx,
-                            oval, D, DP, BD, HAS_K1, K_NOUT, K0_GP, K0_CPW, K0_START, K0_COUNT, K1_GP, K1_CPW,
-                            K1_START, K1_COUNT)
+                            oval, D, DP, BD, HAS_K1, K_NOUT, K0_GP, K0_CPW, K0_START, K0_COUNT,
+                            K1_GP, K1_CPW, K1_START, K1_COUNT)
 
         if V_TQ:
             c0 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, V0_OFF, V0_BITS, V0_W,
@@ -135,8 +135,8 @@ def _dequant_kernel(
             if not HAS_V1:
                 c1 = c0
             _unrotate_store(c0 * f[:, None], c1 * f[:, None], v_rows, ok, v_ptr, rot_ptr, oidx,
-                            oval, D, DP, BD, HAS_V1, 0, V0_GP, V0_CPW, V0_START, V0_COUNT, V1_GP, V1_CPW,
-                            V1_START, V1_COUNT)
+                            oval, D, DP, BD, HAS_V1, 0, V0_GP, V0_CPW, V0_START, V0_COUNT,
+                            V1_GP, V1_CPW, V1_START, V1_COUNT)
         else:
             codes = _tl.load_codes(cache_ptr, pbase, tip, ok, V0_OFF, BS, V0_BITS, V0_W, V0_G,
                                    V0_GP, V0_CPW, V0_CM)

@@ -11,8 +11,8 @@ reference except where the different summation order / the dropped lo·lo term m
 across a bucket boundary (rare, bounded in the tests). Outlier-split keys: the m largest-|k|
 channels are picked by m arg-max passes (ties → the lower channel, as the reference's stable
 sort); the rotation of k − Σ o_c e_c is the rotation of k minus Σ o_c R[c, :] (rows gathered
-after the dots, so nothing sits between the load and the TF32 split). Rows per program and timings:
-bench/results/store_dequant_h200.json.
+after the dots, so nothing sits between the load and the TF32 split). Rows per program and
+timings: bench/results/store_dequant_h200.json.
 """
 
 from __future__ import annotations

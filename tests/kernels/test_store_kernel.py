@@ -117,7 +117,7 @@ def test_store_kv_and_rotate_query(n):
     slots = torch.randperm(nb * bs)[:n]
     if n:
         slots[n // 2] = -1
-    q = torch.randn(3, 8, 64, dtype=torch.bfloat16)
+    q = torch.randn(10, 8, 64, dtype=torch.bfloat16)   # 80 rows: a full and a partial block
     r = torch.linalg.qr(torch.randn(64, 64))[0].contiguous()
     init = torch.randint(0, 256, paged.kv_cache_shape(nb, bs, hk, codec), dtype=torch.uint8)
     want, fused = init.clone(), init.clone()

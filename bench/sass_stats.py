@@ -82,7 +82,8 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
     return kernel, {**cex, "num_warps": num_warps}
 
 
-def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16, early: int = 1):
+def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
+                reload_last: bool = False):
     """Compile kernels/decode_mma.py's kernel for sm_90 (turboquant_k3v4_nc, head size 128) as
     the dispatch launches it (1 warp, the register cap of its prefetch mode)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -93,7 +94,7 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16, early: int
     fn = decode_mma._decode_mma_kernel
     cex = dict(GROUP=group, HK=8, BS=block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
                V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
-               PREFETCH=prefetch, WRITE_LSE=False, PDL=True, EARLY=early)
+               PREFETCH=prefetch, WRITE_LSE=False, PDL=True, RELOAD_LAST=reload_last)
     ptrs = {"q_ptr": "*fp16", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
             "po_ptr": "*fp32", "plse_ptr": "*fp32", "tab_ptr": "*i32", "out_ptr": "*bf16",
             "lse_ptr": "*fp32", "count_ptr": "*i32"}
@@ -183,11 +184,11 @@ def main():
     ap.add_argument("--mma", action="store_true",
                     help="the Gluon tensor-core kernel (turboquant_k3v4_nc) instead")
     ap.add_argument("--prefetch", action="store_true", help="--mma: the prefetching variant")
-    ap.add_argument("--early", type=int, default=1, choices=(0, 1, 2),
-                    help="--mma: the kernel's EARLY (2: decode steps that store new K/V)")
+    ap.add_argument("--reload-last", action="store_true",
+                    help="--mma: the variant of decode steps that store new K/V")
     args = ap.parse_args()
     if args.mma:
-        kernel, cex = compile_mma(args.prefetch, args.group, early=args.early)
+        kernel, cex = compile_mma(args.prefetch, args.group, reload_last=args.reload_last)
         st = loop_stats(*disassemble(kernel.asm["cubin"]))
         res = resources(kernel.asm["cubin"])
         st.update(resources=res, programs_per_sm=occupancy(res, 1, kernel.metadata.shared),

@@ -309,7 +309,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
-                       WRITE_LSE: gl.constexpr, PDL: gl.constexpr, EARLY: gl.constexpr):
+                       WRITE_LSE: gl.constexpr, PDL: gl.constexpr, RELOAD_LAST: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HK
@@ -332,24 +332,20 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     rho = gl.arange(0, TILE, layout=_ROWS)
     tau = 8 * (rho % 8) + rho // 8
 
-    # EARLY (1, 2): the first tile's words are loaded before the wait (the cache does not
-    # depend on the rotation kernel; 2: except the token at seq_len − 1, which the kernel before
-    # stores — the program whose first tile holds it loads that tile again after the wait).
+    # the first tile's words are loaded before the wait (the cache does not depend on the
+    # rotation kernel — RELOAD_LAST: except the token at seq_len − 1, which the kernel before
+    # stores; the program whose first tile holds it loads that tile again after the wait).
     # Without PREFETCH the page indices run one tile ahead of the words, so a block-table miss
     # never waits in line before a tile's word loads
-    if EARLY > 0:
-        kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
-                                BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
+    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
+                            BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
     pages = _pages(t0 + 1, seq_len, bt_row, lane, BS)
     if PDL:
         # launched as a programmatic dependent of the rotation kernel: everything above
         # overlaps its tail; the query (its output) is read only after the grid dependency
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    if EARLY == 0:
-        kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
-                                BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-    elif EARLY == 2:
+    if RELOAD_LAST:
         if t0 == n_tiles - 1:
             kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane,
                                     sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
@@ -442,14 +438,14 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
                 VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, WRITE_LSE=lse is not None, PDL=pdl,
-                EARLY=EARLY_MODES[early] if pdl else 1, launch_pdl=pdl, num_warps=1,
+                RELOAD_LAST=pdl and EARLY_LOADS[early], launch_pdl=pdl, num_warps=1,
                 maxnreg=MAXNREG[bool(prefetch)])
     return args, meta
 
 
-# early_loads → the kernel's EARLY (see the kernel): True, False, or "except_last" (the kernel
-# before stores each sequence's token at seq_len − 1: decode steps with new_kv)
-EARLY_MODES = {False: 0, True: 1, "except_last": 2}
+# early_loads → the kernel's RELOAD_LAST: True, or "except_last" (the kernel before stores each
+# sequence's token at seq_len − 1: decode steps with new_kv)
+EARLY_LOADS = {True: False, "except_last": True}
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
 # SM without prefetch (148 registers), 8 with the prefetched words of the next tile (214)
@@ -504,9 +500,9 @@ def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, grou
     or None receive the merged result. pdl: launch as a programmatic dependent of the kernel
     before it in the stream, which must be the query rotation (the kernel overlaps its prologue
     with that kernel and waits for its completion before reading ``qk``; work before the
-    rotation kernel is complete when it starts). early_loads: the prologue may read the cache
-    before that wait; False when the rotation kernel also stores into it, "except_last" when
-    what it stores is each sequence's token at seq_len − 1 (that tile is read after the wait)."""
+    rotation kernel is complete when it starts). early_loads: True, the prologue reads the
+    cache before that wait; "except_last" when the rotation kernel also stores each sequence's
+    token at seq_len − 1 (that tile is read again after the wait)."""
     if out.stride(-1) != 1:
         raise ValueError(f"out must have a contiguous last dimension, strides {out.stride()}")
     if not 1 <= num_splits <= MAX_SPLITS:

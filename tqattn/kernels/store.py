@@ -211,10 +211,8 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
         d = tl.arange(0, DP)[None, None, :]
         x = x - tl.sum(tl.where(d == oidx[:, :, None], oval[:, :, None], 0.0), axis=1)
         corr0 = _outlier_rows(oidx, oval, rot_ptr, D, F0_START, F0_COUNT, F0_GP * F0_CPW)
-        corr1 = _outlier_rows(oidx, oval, rot_ptr, D, F1_START, F1_COUNT, F1_GP * F1_CPW)
     else:
         corr0 = tl.zeros([HB, F0_GP * F0_CPW], tl.float32)
-        corr1 = tl.zeros([HB, F1_GP * F1_CPW], tl.float32)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
     y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, D, DP, BK, HB, F0_START, F0_COUNT,
@@ -225,6 +223,10 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
     if FOLD:
         ss = _centroid_ss(code, tab_ptr, F0_LUT, F0_BITS, F0_COUNT)
     if HAS_F1:
+        if NOUT > 0:
+            corr1 = _outlier_rows(oidx, oval, rot_ptr, D, F1_START, F1_COUNT, F1_GP * F1_CPW)
+        else:
+            corr1 = tl.zeros([HB, F1_GP * F1_CPW], tl.float32)
         y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, D, DP, BK, HB, F1_START,
                      F1_COUNT, F1_GP * F1_CPW, TF32X3, NOUT > 0)
         code1 = _bucketize(y1, tab_ptr, F1_BND, F1_BITS)

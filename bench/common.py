@@ -1,9 +1,14 @@
 """Timing helpers shared by the benchmarks.
 
 Discipline (the same for every method and baseline): the call is captured once in a CUDA graph
-and the graph is replayed; before each timed replay a 256 MB memset flushes L2 (as
-``triton.testing.do_bench`` does); CUDA events bracket the replay alone; median of at least
-``min_reps`` replays (up to ``max_reps`` / ~``budget_ms`` of work) after warm-up.
+and the graph is replayed; before each timed replay L2 is flushed by streaming 256 MB through
+it; CUDA events bracket the replay alone; median of at least ``min_reps`` replays (up to
+``max_reps`` / ~``budget_ms`` of work) after warm-up.
+
+Flush modes: "memset" (default) zeroes a 256 MB buffer, as ``triton.testing.do_bench`` does,
+leaving L2 full of dirty lines; "read" sums it, leaving clean lines (on the H200 the decode
+kernels time the same either way: bench/results/decode_s8_flush_h200_prelim.md); "none" times
+warm replays (what an L2-resident working set costs).
 """
 
 from __future__ import annotations
@@ -19,9 +24,22 @@ import torch
 FLUSH_BYTES = 256 * 1024 * 1024
 
 
+FLUSH_MODES = ("memset", "read", "none")
+
+
 class Timer:
-    def __init__(self, device="cuda"):
-        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
+    def __init__(self, device="cuda", flush: str = "memset"):
+        if flush not in FLUSH_MODES:
+            raise ValueError(f"flush={flush!r}: expected one of {FLUSH_MODES}")
+        self.mode = flush
+        self.buf = torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device=device)
+        self.sink = torch.empty((), dtype=torch.float32, device=device)
+
+    def flush(self) -> None:
+        if self.mode == "memset":
+            self.buf.zero_()
+        elif self.mode == "read":
+            torch.sum(self.buf, dim=0, out=self.sink)
 
     def graph_us(self, fn, *, min_reps=20, max_reps=400, budget_ms=250.0, warmup=3) -> dict:
         """Median µs of a CUDA-graph replay of fn(), L2 flushed before each rep."""
@@ -49,7 +67,7 @@ class Timer:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
-            self.flush.zero_()
+            self.flush()
             starts[i].record()
             graph.replay()
             ends[i].record()
@@ -64,7 +82,7 @@ class Timer:
         torch.cuda.synchronize()
         times = []
         for _ in range(reps):
-            self.flush.zero_()
+            self.flush()
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             fn()

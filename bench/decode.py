@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import Timer, copy_bandwidth_gbs, environment  # noqa: E402
+from bench.common import FLUSH_MODES, Timer, copy_bandwidth_gbs, environment  # noqa: E402
 from tqattn.kernels import decode as decode_mod  # noqa: E402
 from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
 from tqattn.kernels.store import store_kv_triton  # noqa: E402
@@ -36,6 +36,9 @@ VLLM = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboqua
 OURS = ["tq_k4v4", "tq_k3.5v3.5", "tq_k3v3", "tq_k3o4v3.5"]
 COSINE_ONLY = ["tq_k4v3", "tq_k3v4", "tq_k4v2"]
 BS = 16
+FLUSH_NOTE = {"read": "a 256 MB sum, L2 left holding clean lines",
+              "memset": "a 256 MB memset as triton's do_bench",
+              "none": "no flush"}
 
 
 def make_data(b, l, hq, hk, d, seed=0):
@@ -79,7 +82,16 @@ def cosines(out, ref):
     return whole, worst
 
 
-def run_shape(timer, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=None):
+def timed(timers, fn):
+    """graph_us of the first timer; the other timers' medians (other L2 flush modes) added as
+    us_<mode>."""
+    r = timers[0].graph_us(fn)
+    for t in timers[1:]:
+        r[f"us_{t.mode}"] = t.graph_us(fn)["us"]
+    return r
+
+
+def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=None):
     t_start = time.time()
     q, k, v, bt = make_data(b, l, hq, hk, d)
     seq_lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
@@ -91,7 +103,7 @@ def run_shape(timer, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=
     vc = contiguous_kv(v, bt, b, l, hk, d)
     q4 = q.view(b, hq, 1, d)
     ref = F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True).view(b, hq, d)
-    r = timer.graph_us(lambda: F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True))
+    r = timed(timers, lambda: F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True))
     rows.append({**base, "method": "sdpa_bf16", "kv_bytes": bf16_bytes, **r})
     del kc, vc
     torch.cuda.empty_cache()
@@ -101,7 +113,7 @@ def run_shape(timer, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=
         fa_out = fa3(q1, k, v, cache_seqlens=seq_lens, page_table=bt, causal=True)
         fa_out = fa_out[0] if isinstance(fa_out, tuple) else fa_out
         cf = cosines(fa_out.view(b, hq, d), ref)
-        r = timer.graph_us(lambda: fa3(q1, k, v, cache_seqlens=seq_lens, page_table=bt,
+        r = timed(timers, lambda: fa3(q1, k, v, cache_seqlens=seq_lens, page_table=bt,
                                        causal=True))
         fa3_us = r["us"]
         rows.append({**base, "method": "fa3_bf16_paged", "kv_bytes": bf16_bytes, **r,
@@ -124,7 +136,7 @@ def run_shape(timer, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=
             for cfg in configs:
                 fn = lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out, **cfg)  # noqa: E731
                 try:
-                    r = timer.graph_us(fn)
+                    r = timed(timers, fn)
                 except Exception as e:  # noqa: BLE001 - keep sweeping
                     print(f"  {name} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
@@ -140,11 +152,11 @@ def run_shape(timer, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=
                 kn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
                 vn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
                 slots = bt[:, -1].long() * BS + BS - 1
-                st = timer.graph_us(lambda: store_kv_triton(codec, kn, vn, cache, slots))
+                st = timers[0].graph_us(lambda: store_kv_triton(codec, kn, vn, cache, slots))
                 rows[-1]["store_us"] = st["us"]
                 # the step as the backend runs it: the new K/V handed to the decode, which
                 # stores them in its first launch where it can (store_and_forward)
-                step = timer.graph_us(lambda: decode_attention_triton(
+                step = timers[0].graph_us(lambda: decode_attention_triton(
                     codec, q, cache, bt, seq_lens, out=out, new_kv=(kn, vn, slots)))
                 rows[-1]["step_us"] = step["us"]
                 rows[-1]["store_in_step_us"] = step["us"] - rows[-1]["us"]
@@ -156,6 +168,9 @@ def run_shape(timer, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=
         if "us" in rr:
             rr["gbs"] = rr["kv_bytes"] / rr["us"] / 1e3
             rr["pct_copy"] = 100 * rr["gbs"] / copy_gbs
+            for mode in FLUSH_MODES:
+                if f"us_{mode}" in rr:
+                    rr[f"pct_copy_{mode}"] = 100 * rr["kv_bytes"] / rr[f"us_{mode}"] / 1e3 / copy_gbs
     del q, k, v, bt
     gc.collect()
     torch.cuda.empty_cache()
@@ -164,20 +179,29 @@ def run_shape(timer, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=
     return rows
 
 
-def fmt_table(rows, methods):
+def fmt_table(rows, methods, alt_modes=()):
     head = ("| Hq/Hk/D | B | L | method | bits/elem | µs | x FA3 | KV MB | GB/s | % copy | "
-            "store µs: alone / in step (% of attn) | cos (worst) |")
-    out = [head, "|" + "---|" * 12]
+            "store µs: alone / in step (% of attn) | cos (worst) |"
+            + "".join(f" µs, {m} flush (x FA3, % copy) |" for m in alt_modes))
+    out = [head, "|" + "---|" * (12 + len(alt_modes))]
+    fa3 = {(r["hq"], r["d"], r["batch"], r["ctx"]): r for r in rows
+           if r["method"] == "fa3_bf16_paged"}
     for r in rows:
         if r["method"] not in methods or "us" not in r:
             continue
+        alt = ""
+        for m in alt_modes:
+            base = fa3.get((r["hq"], r["d"], r["batch"], r["ctx"]), {}).get(f"us_{m}")
+            alt += (f" {r[f'us_{m}']:.1f} ({r[f'us_{m}'] / base:.2f}, "
+                    f"{r[f'pct_copy_{m}']:.0f}%) |" if base else f" {r[f'us_{m}']:.1f} |")
         out.append("| {}/{}/{} | {} | {} | {} | {} | {:.1f} | {} | {:.0f} | {:.0f} | {:.0f}% | {} | {} |"
                    .format(r["hq"], r["hk"], r["d"], r["batch"], r["ctx"], r["method"],
                            f"{r['bits_per_elem']:.2f}" if "bits_per_elem" in r else "16",
                            r["us"], f"{r['x_fa3']:.2f}" if "x_fa3" in r else "",
                            r["kv_bytes"] / 1e6, r["gbs"], r["pct_copy"],
                            _store_cell(r),
-                           f"{r['cos']:.4f} ({r['cos_worst']:.3f})" if "cos" in r else ""))
+                           f"{r['cos']:.4f} ({r['cos_worst']:.3f})" if "cos" in r else "")
+                   + alt)
     return "\n".join(out)
 
 
@@ -194,16 +218,18 @@ def render(result, tag, presets):
     env, copy = result["env"], result["copy"]
     rows = result["rows"]
     methods = ["sdpa_bf16", "fa3_bf16_paged"] + presets
+    flushes = result.get("flush", ["memset"])
     md = [f"# {tag}", "", f"- device: {env['device']} ({env['sms']} SMs), torch {env['torch']}, "
           f"triton {env['triton']}, {env['date']}", f"- command: `{env['command']}`",
           f"- D2D copy: {copy['gbs_rw']:.0f} GB/s (read+write, {copy['bytes'] >> 30} GiB)",
           f"- decode kernel config: {result.get('decode_defaults')}",
-          "- time: CUDA-graph replay, L2 flushed before each rep, median; x FA3 = time / "
+          f"- time: CUDA-graph replay, L2 flushed before each rep ({flushes[0]} flush: "
+          f"{FLUSH_NOTE[flushes[0]]}), median; x FA3 = time / "
           "fa3_bf16_paged time; % copy = effective KV read rate / copy rate; cos vs bf16 SDPA "
           "(worst (seq, head) in brackets); store µs = one decode step's store (B tokens): alone "
           "= the store kernel; in step = decode with the new K/V stored inside (new_kv: one "
           "launch with the query rotation on the tensor-core path) minus the decode alone", "",
-          fmt_table(rows, methods), ""]
+          fmt_table(rows, methods, flushes[1:]), ""]
     cos_rows = [r for r in rows if "us" not in r and "cos" in r]
     if cos_rows:
         md += ["Cosine only:", ""] + [f"- {r['method']} ({r['bits_per_elem']:.3f} bits/elem) "
@@ -231,6 +257,9 @@ def main():
                     help="time a few kernel configs at B=32, L=16K first and use the fastest")
     ap.add_argument("--defaults", type=json.loads, default=None,
                     help='JSON kernel config merged into the decode defaults for the whole run')
+    ap.add_argument("--flush", default="memset",
+                    help="L2 flush modes (bench.common.Timer), comma-separated; the first sets "
+                         "µs / x FA3 / % copy, the others add a column each")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="decode_h200")
     ap.add_argument("--render", help="only write the markdown of an existing result JSON")
@@ -249,7 +278,8 @@ def main():
         decode_mod.DEFAULTS.update(args.defaults)
     env = environment()
     print(json.dumps(env), flush=True)
-    timer = Timer()
+    flushes = args.flush.split(",")
+    timers = [Timer(flush=m) for m in flushes]
     copy = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy['gbs_rw']:.0f} GB/s (read+write)", flush=True)
     try:
@@ -259,7 +289,7 @@ def main():
         fa3 = None
     presets = args.presets.split(",")
     rows = []
-    result = {"env": env, "copy": copy, "block_size": BS, "rows": rows}
+    result = {"env": env, "copy": copy, "block_size": BS, "rows": rows, "flush": flushes}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.tag}.json")
 
@@ -271,7 +301,7 @@ def main():
     if args.autotune:
         configs = [dict(BLOCK_N=bn, num_warps=w, PREFETCH=pf) for bn, w, pf in
                    [(128, 4, True), (64, 4, True), (32, 2, True), (128, 8, True), (64, 4, False)]]
-        trows = run_shape(timer, 32, 8, 128, 32, 16384, ["turboquant_k3v4_nc"], copy["gbs_rw"],
+        trows = run_shape(timers, 32, 8, 128, 32, 16384, ["turboquant_k3v4_nc"], copy["gbs_rw"],
                           fa3, tune=configs)
         result["autotune"] = trows
         timed = [r for r in trows if "cfg" in r]
@@ -287,7 +317,7 @@ def main():
                              (128, 8, 1), (128, 4, 1)]]
         shapes = [tuple(map(int, x.split("x"))) for x in args.tune_shapes.split(",")]
         for b, l in shapes:
-            rows += run_shape(timer, 32, 8, 128, b, l, presets, copy["gbs_rw"], fa3,
+            rows += run_shape(timers, 32, 8, 128, b, l, presets, copy["gbs_rw"], fa3,
                               tune=configs)
     else:
         # the longest context last, after the extra shapes: a time-out loses the least
@@ -298,7 +328,7 @@ def main():
                                                                 (32, 8, 256)]]
         shapes += [(32, 8, 128, b, ctxs[-1]) for b in map(int, args.batches.split(","))]
         for hq, hk, d, b, l in shapes:
-            rows += run_shape(timer, hq, hk, d, b, l, presets, copy["gbs_rw"], fa3,
+            rows += run_shape(timers, hq, hk, d, b, l, presets, copy["gbs_rw"], fa3,
                               cos_only=COSINE_ONLY if (hq, d, b, l) == (32, 128, 8, 16384) else ())
             save()
     save()

@@ -83,7 +83,7 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
 
 
 def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
-                reload_last: bool = False, l2_ahead: int = 0):
+                reload_last: bool = False):
     """Compile kernels/decode_mma.py's kernel for sm_90 (turboquant_k3v4_nc, head size 128) as
     the dispatch launches it (1 warp, the register cap of its prefetch mode)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -94,8 +94,7 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
     fn = decode_mma._decode_mma_kernel
     cex = dict(GROUP=group, HK=8, BS=block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
                V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
-               PREFETCH=prefetch, WRITE_LSE=False, PDL=True, RELOAD_LAST=reload_last,
-               L2_AHEAD=l2_ahead if prefetch else 0, PAGE=block_size * spec.codec.slot_bytes)
+               PREFETCH=prefetch, WRITE_LSE=False, PDL=True, RELOAD_LAST=reload_last)
     ptrs = {"q_ptr": "*fp16", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
             "po_ptr": "*fp32", "plse_ptr": "*fp32", "tab_ptr": "*i32", "out_ptr": "*bf16",
             "lse_ptr": "*fp32", "count_ptr": "*i32"}
@@ -187,19 +186,16 @@ def main():
     ap.add_argument("--prefetch", action="store_true", help="--mma: the prefetching variant")
     ap.add_argument("--reload-last", action="store_true",
                     help="--mma: the variant of decode steps that store new K/V")
-    ap.add_argument("--l2-ahead", type=int, default=0,
-                    help="--mma --prefetch: tiles hinted into L2 ahead (0: none)")
     args = ap.parse_args()
     if args.mma:
-        kernel, cex = compile_mma(args.prefetch, args.group, reload_last=args.reload_last,
-                                  l2_ahead=args.l2_ahead)
+        kernel, cex = compile_mma(args.prefetch, args.group, reload_last=args.reload_last)
         st = loop_stats(*disassemble(kernel.asm["cubin"]))
         res = resources(kernel.asm["cubin"])
         st.update(resources=res, programs_per_sm=occupancy(res, 1, kernel.metadata.shared),
                   warp_instr_per_token=st["loop_instructions"] / cex["BLOCK_N"])
         top = ", ".join(f"{k} {v}" for k, v in list(st["loop_opcodes"].items())[:args.top])
         print(json.dumps(st, indent=1) if args.json else
-              f"decode_mma prefetch={args.prefetch} l2_ahead={args.l2_ahead}: loop={st['loop_instructions']} per 64 tokens "
+              f"decode_mma prefetch={args.prefetch}: loop={st['loop_instructions']} per 64 tokens "
               f"-> {st['warp_instr_per_token']:.1f} warp instr/token, spill ops "
               f"{st['spill_ops']}, {res['reg']} regs -> {st['programs_per_sm']} programs/SM\n"
               f"    {top}")

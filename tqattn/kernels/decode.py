@@ -636,7 +636,7 @@ def _num_sms(device) -> int:
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
-            "mma_store_warps": None, "mma_l2_ahead": 0}
+            "mma_store_warps": None}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -722,8 +722,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         # (bench/results/decode_tune_s6_2_h200_prelim.md: 13 programs per SM where 12 fit
         # took 84 µs at B = 8, 16K; 12: 67 µs)
         per_sm = cfg["mma_programs_per_sm"] or decode_mma.programs_per_sm(
-            spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early,
-            cfg["mma_l2_ahead"])
+            spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early)
         num_splits = max(1, min(64, per_sm * _num_sms(q.device) // (batch * hk)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -731,8 +730,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
     decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                      num_splits, prefetch, pdl, early_loads=early,
-                      l2_ahead=cfg["mma_l2_ahead"])
+                      num_splits, prefetch, pdl, early_loads=early)
     return (out, lse) if return_lse else out
 
 

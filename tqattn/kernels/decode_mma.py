@@ -209,24 +209,6 @@ def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexp
 
 
 @gluon.jit
-def _l2_page(t, t_end, bt_row, lane, BS: gl.constexpr):
-    """Lane i < TILE / BS: the index of tile t's page i; -1 for the other lanes and t >= t_end."""
-    ok = (lane < TILE // BS) & (t < t_end)
-    return gl.load(bt_row + t * (TILE // BS) + lane, mask=ok, other=-1)
-
-
-@gluon.jit
-def _prefetch_l2(page, page0, sc_b, PAGE: gl.constexpr):
-    """Hint a page's bytes of this KV head into L2 (sm_90 bulk prefetch: no registers held, no
-    completion to wait for); page -1: nothing."""
-    addr = page0 + page.to(gl.int64) * sc_b
-    gl.inline_asm_elementwise("{ .reg .pred p; setp.ge.s32 p, $1, 0; "
-                              "@p cp.async.bulk.prefetch.L2.global [$2], $3; mov.u32 $0, 0; }",
-                              "=r,r,l,r", [page, addr, gl.full_like(page, PAGE)],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _lane_sums(x):
     """[64, 8] score-layout tensor → [8 g, 8 heads]: each lane's sum over its own 8 rows (no
     shuffles; rows g + 8i)."""
@@ -327,8 +309,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
-                       WRITE_LSE: gl.constexpr, PDL: gl.constexpr, RELOAD_LAST: gl.constexpr,
-                       L2_AHEAD: gl.constexpr, PAGE: gl.constexpr):
+                       WRITE_LSE: gl.constexpr, PDL: gl.constexpr, RELOAD_LAST: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HK
@@ -384,23 +365,12 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # (with the page indices one tile ahead here too, B = 32 at 16K measured 202 µs instead of
     # 176: bench/results/decode_s6_5_h200_prelim.md vs decode_tune_s6_3_h200_prelim.md)
     if PREFETCH:
-        # L2_AHEAD > 0: tile t + L2_AHEAD is hinted into L2 while tile t computes (its page
-        # indices loaded one tile earlier, so the hint never waits for the block table)
-        pf = _l2_page(t0 + L2_AHEAD, t1, bt_row, lane, BS)
-        if L2_AHEAD > 1:
-            for tp in range(t0 + 2, t0 + L2_AHEAD):
-                _prefetch_l2(_l2_page(tp, t1, bt_row, lane, BS), page0, sc_b, PAGE)
         for t in range(t0, t_mid):
             kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane, BS),
                                           page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
                                           VZ_OFF)
-            if L2_AHEAD > 0:
-                pf_n = _l2_page(t + 1 + L2_AHEAD, t1, bt_row, lane, BS)
             m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
                                        False)
-            if L2_AHEAD > 0:
-                _prefetch_l2(pf, page0, sc_b, PAGE)
-                pf = pf_n
             kw, vw, sc = kw_n, vw_n, sc_n
     elif t0 < t_mid:
         m_i, l_p, z_p, acc = _tile(kw, vw, sc, t0, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
@@ -455,7 +425,7 @@ def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
 
 
 def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
-          prefetch, pdl, early, l2_ahead=0):
+          prefetch, pdl, early):
     m = spec.meta
     kf = spec.key_fields[0]
     groups = seq_lens.numel() * kv_cache.shape[1]
@@ -468,8 +438,7 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
                 VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, WRITE_LSE=lse is not None, PDL=pdl,
-                RELOAD_LAST=pdl and EARLY_LOADS[early], L2_AHEAD=l2_ahead if prefetch else 0,
-                PAGE=kv_cache.shape[2], launch_pdl=pdl, num_warps=1,
+                RELOAD_LAST=pdl and EARLY_LOADS[early], launch_pdl=pdl, num_warps=1,
                 maxnreg=MAXNREG[bool(prefetch)])
     return args, meta
 
@@ -485,17 +454,17 @@ _RESIDENT: dict = {}
 
 
 def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool,
-                    pdl: bool, early_loads: bool | str, l2_ahead: int = 0) -> int:
+                    pdl: bool, early_loads: bool | str) -> int:
     """One-warp programs an SM holds at once, from the register count of the kernel variant
     that :func:`launch` runs with these flags (the split count fills one wave of them)."""
-    key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, l2_ahead, qk.dtype,
+    key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, qk.dtype,
            str(qk.device))
     if key not in _RESIDENT:
         part = torch.empty(*qk.shape[:2], 16, qk.shape[2], device=qk.device)
         plse = torch.empty(*qk.shape[:2], 16, device=qk.device)
         out = torch.empty(qk.shape, dtype=torch.bfloat16, device=qk.device)
         args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, None,
-                           group, 16, prefetch, pdl, early_loads, l2_ahead)
+                           group, 16, prefetch, pdl, early_loads)
         kernel = _decode_mma_kernel.warmup(*args, grid=(1, 1), **meta)
         try:
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
@@ -526,7 +495,7 @@ def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False) -> tor
 
 def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
            num_splits: int, prefetch: bool = True, pdl: bool = False,
-           early_loads: bool | str = True, l2_ahead: int = 0) -> None:
+           early_loads: bool | str = True) -> None:
     """qk: :func:`rotated_query`; part/plse: split scratch; out (rows, Hq, D) and lse (rows, Hq)
     or None receive the merged result. pdl: launch as a programmatic dependent of the kernel
     before it in the stream, which must be the query rotation (the kernel overlaps its prologue
@@ -539,7 +508,7 @@ def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, grou
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits}: the tensor-core kernel merges 1..{MAX_SPLITS}")
     args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                       num_splits, prefetch, pdl, early_loads, l2_ahead)
+                       num_splits, prefetch, pdl, early_loads)
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
 
 

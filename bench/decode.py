@@ -329,7 +329,8 @@ def main():
         shapes += [(32, 8, 128, b, ctxs[-1]) for b in map(int, args.batches.split(","))]
         for hq, hk, d, b, l in shapes:
             rows += run_shape(timers, hq, hk, d, b, l, presets, copy["gbs_rw"], fa3,
-                              cos_only=COSINE_ONLY if (hq, d, b, l) == (32, 128, 8, 16384) else ())
+                              cos_only=[p for p in VLLM + OURS + COSINE_ONLY if p not in presets]
+                              if (hq, d, b, l) == (32, 128, 8, 16384) else ())
             save()
     save()
     md = render(result, args.tag, presets)

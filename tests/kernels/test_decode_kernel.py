@@ -101,10 +101,13 @@ def test_rotate_query():
     from tqattn.kernels.qrot import rotate_query, rotate_query_ref
     q = torch.randn(3, 6, 64, dtype=torch.bfloat16)          # 18 rows: two blocks, one partial
     r = torch.linalg.qr(torch.randn(64, 64))[0][:, torch.randperm(64)].contiguous()
-    out = rotate_query(q, r, 0.7)
     ref = rotate_query_ref(q, r, 0.7)
-    assert out.dtype == torch.float16 and out.shape == q.shape
-    assert rel_err(out.float(), ref.float()) < 1e-3
+    for block in (None, 16, 32, 64):
+        out = rotate_query(q, r, 0.7, block=block)
+        assert out.dtype == torch.float16 and out.shape == q.shape
+        assert rel_err(out.float(), ref.float()) < 1e-3
+    with pytest.raises(ValueError, match="block=48"):
+        rotate_query(q, r, 1.0, block=48)
     with pytest.raises(ValueError, match="rotation must be"):
         rotate_query(q, r.double(), 1.0)
 

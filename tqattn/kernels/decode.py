@@ -632,11 +632,12 @@ def _num_sms(device) -> int:
 # every shape measured, B = 1-128, 4K-64K (bench/results/decode_tune_s7_prefetch_h200_prelim.md,
 # decode_tune_s7_2_prefetch_h200_prelim.md: B = 1 at 64K 56.8 vs 71.6 µs, B = 8 at 16K 60.4 vs
 # 64.9). mma_store_warps: the warps of the store + query-rotation launch of a decode step
-# (None: the store's decode-size default).
+# (None: the store's decode-size default). qrot_block: rows per program of the query rotation
+# (None: kernels/qrot.py's choice by row count).
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
-            "mma_store_warps": None}
+            "mma_store_warps": None, "qrot_block": None}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -708,7 +709,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     if pdl is None:  # the decode kernel starts during the rotation kernel (sm_90+)
         pdl = decode_mma.pdl_supported(q.device)
     if new_kv is None:
-        qk = decode_mma.rotated_query(spec, q, scale, pdl)
+        qk = decode_mma.rotated_query(spec, q, scale, pdl, cfg["qrot_block"])
     else:
         qk = store.store_kv_and_rotate_query(spec.codec, *new_kv[:2], kv_cache, new_kv[2], q,
                                              *decode_mma.query_rotation(spec, q.device, scale),

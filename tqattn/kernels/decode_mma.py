@@ -22,6 +22,7 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
   zero points enter as ``Σ p·zero``; ``p`` goes from the score layout to the operand layout
   in registers;
 * each lane reads one page per role and tile (tiles of 64 tokens start at page boundaries),
+  its 8 key norms / value scales / zero points as one 16-byte load each,
   the online softmax rescales only when a head's max grows by more than 8 (log2 units), row
   sums stay per lane until the end, and only the sequence's last partial tile is masked.
   Limit: ``p ≤ 2^8`` times a token's value scale must fit fp16 (scale < 256, i.e. a value
@@ -31,7 +32,7 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
 programs that the compiled kernel's registers let an SM hold (programs_per_sm), splits differ
 by at most one tile; by default the words of tile t+1 are loaded while tile t is computed
-(214 registers, 8 programs per SM; without: 167, 12 per SM — slower at every shape measured).
+(198 registers, 8 programs per SM; without: 161, 12 per SM — slower at every shape measured).
 With programmatic dependent launch (sm_90+) the kernel's prologue overlaps the query rotation
 kernel (and the store of a decode step's new K/V, launched with it). Measured (H200):
 bench/results/decode_h200_s7.md.
@@ -51,6 +52,7 @@ _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 
 _OP_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_width=2))
 _OP_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA.value, k_width=2))
 _LANE = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+_PAIR = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0]))  # 16 bytes per lane
 _ML = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))     # [8 heads, 128] merge
 _LSE = gl.constexpr(gl.BlockedLayout([1, 2], [1, 32], [1, 1], [1, 0]))    # [8 heads, 64 splits]
 MAX_SPLITS = gl.constexpr(64)
@@ -148,17 +150,24 @@ def _value_operand(vw):
 
 
 @gluon.jit
-def _row_scalars(v, O: gl.constexpr):
-    """fp16 v[O..O+7] (tokens 8g + i of the lane) → fp32 [64, 8] in the score layout (row
-    g + 8i, both heads of the lane)."""
-    v0 = v[O].to(gl.float32)
-    v1 = v[O + 1].to(gl.float32)
-    v2 = v[O + 2].to(gl.float32)
-    v3 = v[O + 3].to(gl.float32)
-    v4 = v[O + 4].to(gl.float32)
-    v5 = v[O + 5].to(gl.float32)
-    v6 = v[O + 6].to(gl.float32)
-    v7 = v[O + 7].to(gl.float32)
+def _f16x2(x):
+    """int32 fp16 pair → (low, high) as fp32."""
+    return gl.inline_asm_elementwise("{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; "
+                                     "cvt.f32.f16 $1, h; }", "=r,=r,r", [x],
+                                     (gl.float32, gl.float32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _row_scalars(w):
+    """The lane's 8 fp16 scalars of one role (tokens 8g + i; two int64 words, see
+    :func:`_load_tile`) → fp32 [64, 8] in the score layout (row g + 8i, both heads of the
+    lane)."""
+    a0, a1 = _lo_hi(w[0])
+    a2, a3 = _lo_hi(w[1])
+    v0, v1 = _f16x2(a0)
+    v2, v3 = _f16x2(a1)
+    v4, v5 = _f16x2(a2)
+    v6, v7 = _f16x2(a3)
     x = gl.join(_j4(gl.join(v0, v0), gl.join(v1, v1), gl.join(v2, v2), gl.join(v3, v3)),
                 _j4(gl.join(v4, v4), gl.join(v5, v5), gl.join(v6, v6), gl.join(v7, v7)))
     # [lane, h, i0, i1, i2] → [g, t, h, i0, i1, i2]; row = g + 8i, column = h + 2t
@@ -167,9 +176,12 @@ def _row_scalars(v, O: gl.constexpr):
 
 
 @gluon.jit
-def _load8(p):
-    return (gl.load(p), gl.load(p + 1), gl.load(p + 2), gl.load(p + 3), gl.load(p + 4),
-            gl.load(p + 5), gl.load(p + 6), gl.load(p + 7))
+def _load16(p):
+    """16 bytes at p (int64 pointers, 16-byte aligned) per lane as two int64 [32] words."""
+    pp = gl.convert_layout(p, gl.SliceLayout(1, _PAIR))[:, None] + \
+        gl.arange(0, 2, layout=gl.SliceLayout(0, _PAIR))[None, :]
+    lo, hi = gl.split(gl.load(pp))
+    return gl.convert_layout(lo, _LANE), gl.convert_layout(hi, _LANE)
 
 
 @gluon.jit
@@ -187,24 +199,29 @@ def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexp
                KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
                VZ_OFF: gl.constexpr):
     """The lane's raw words of tile t (pages: :func:`_pages` of t): 12 key words, 16 value
-    words, 24 fp16 scalars. Pages hold >= 16 tokens and tiles start at page boundaries, so each
-    lane reads one page per role."""
+    words, 3 × 2 words of fp16 scalars. Pages hold >= 16 tokens and tiles start at page
+    boundaries, so each lane reads one page per role."""
     tg = t * TILE + 8 * (lane // 4)
     tt = t * TILE + 16 * (lane % 4)
     pg = page0 + pages[0].to(gl.int64) * sc_b
     pv = page0 + pages[1].to(gl.int64) * sc_b
     kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
     vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
-    sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.float16))
+    sp = pg + 2 * (tg % BS)
     kw = (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
-          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS), gl.load(kb + BS // 2 + 4 * BS),
-          gl.load(kb + BS), gl.load(kb + 3 * BS), gl.load(kb + 5 * BS),
-          gl.load(kb + 3 * BS // 2), gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
+          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
+          gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
+          gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
+          gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
     vw = (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
-          gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24), gl.load(vb + 88),
-          gl.load(vb + 32), gl.load(vb + 96), gl.load(vb + 40), gl.load(vb + 104),
-          gl.load(vb + 48), gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
-    sc = _load8(sp + KN_OFF // 2) + _load8(sp + VS_OFF // 2) + _load8(sp + VZ_OFF // 2)
+          gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
+          gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
+          gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
+          gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
+    # the lane's 8 scalars of a role are 16 contiguous bytes (offsets are multiples of 16)
+    sp = sp.to(gl.pointer_type(gl.int64))
+    sc = (_load16(sp + KN_OFF // 8), _load16(sp + VS_OFF // 8),
+          _load16(sp + VZ_OFF // 8))
     return kw, vw, sc
 
 
@@ -220,9 +237,9 @@ def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.c
     """One 64-token tile from its raw words: scores, online softmax (rescaled only when a
     head's running max grows by more than 8 in log2 units, so p ≤ 256), P·V. MASKED: the
     sequence's last, partial tile."""
-    kn = _row_scalars(sc, 0)
-    vs = _row_scalars(sc, 8)
-    vz = _row_scalars(sc, 16)
+    kn = _row_scalars(sc[0])
+    vs = _row_scalars(sc[1])
+    vz = _row_scalars(sc[2])
     s = mma_v2(_key_operand(kw, tab), qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
     s = s * kn
     if MASKED:
@@ -487,10 +504,13 @@ def query_rotation(spec, device, scale: float) -> tuple[torch.Tensor, float]:
     return _tables(spec, device)[1], scale * 1.4426950408889634
 
 
-def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False) -> torch.Tensor:
+def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False,
+                  block: int | None = None) -> torch.Tensor:
     """The kernel's query operand: fp16 q·R[:, c(κ)] times scale·log2(e) (kernels/qrot.py).
-    pdl: the rotation lets the next kernel launch early (see :func:`launch`)."""
-    return qrot.rotate_query(q, *query_rotation(spec, q.device, scale), launch_dependents=pdl)
+    pdl: the rotation lets the next kernel launch early (see :func:`launch`); block: rows per
+    rotation program."""
+    return qrot.rotate_query(q, *query_rotation(spec, q.device, scale), launch_dependents=pdl,
+                             block=block)
 
 
 def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,

@@ -16,6 +16,10 @@ import triton.language as tl
 
 
 BLOCK, BLOCK_C = 16, 32  # rows, output columns per program: short chains, many programs
+# from this many rows on, 64-row blocks (4 warps): at 4096 rows (B = 128, 32 heads) 1024
+# programs of 16 rows kept the decode waiting (decode step 181.8 → 175.8 µs at B = 128, 4K;
+# neutral at 256 and 1024 rows: bench/results/decode_tune_s8_packed_h200_prelim.md)
+LARGE_ROWS, LARGE_BLOCK = 1024, 64
 # inside the store's launch (store_kv_and_rotate_query) the programs take the store's warps and
 # registers (one 8-warp program per SM): fewer, larger query blocks there
 FUSED_BLOCK = 64
@@ -68,11 +72,15 @@ def check_and_alloc(q: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def rotate_query(q: torch.Tensor, r: torch.Tensor, scale: float,
-                 launch_dependents: bool = False) -> torch.Tensor:
+                 launch_dependents: bool = False, block: int | None = None) -> torch.Tensor:
     """launch_dependents (sm_90+): let a kernel launched after this one with programmatic
-    dependent launch start before this one ends (it waits for this output itself)."""
+    dependent launch start before this one ends (it waits for this output itself). block: rows
+    per program (default: BLOCK, LARGE_BLOCK from LARGE_ROWS rows on)."""
     q2, out = check_and_alloc(q, r)
-    _rotate_query_kernel[(num_blocks(q2.shape[0], q.shape[-1]),)](
-        q2, q2.shape[0], r, out, float(scale), D=q.shape[-1], BLOCK=BLOCK, BLOCK_C=BLOCK_C,
-        LAUNCH_DEPENDENTS=launch_dependents, num_warps=2)
+    block = block or (LARGE_BLOCK if q2.shape[0] >= LARGE_ROWS else BLOCK)
+    if block not in (16, 32, 64):
+        raise ValueError(f"block={block}: the rotation kernel takes 16, 32 or 64 rows")
+    _rotate_query_kernel[(num_blocks(q2.shape[0], q.shape[-1], block),)](
+        q2, q2.shape[0], r, out, float(scale), D=q.shape[-1], BLOCK=block, BLOCK_C=BLOCK_C,
+        LAUNCH_DEPENDENTS=launch_dependents, num_warps=2 if block == 16 else 4)
     return out.view(q.shape)

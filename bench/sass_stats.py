@@ -104,8 +104,7 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 1, "maxnreg": decode_mma.MAXNREG[prefetch],
                                      "launch_pdl": True})
-    # the prefetching loop computes two tiles per iteration (kernels/decode_mma.py)
-    return kernel, {"num_warps": 1, "BLOCK_N": decode_mma.TILE.value * (2 if prefetch else 1)}
+    return kernel, {"num_warps": 1, "BLOCK_N": decode_mma.TILE.value}
 
 
 def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
@@ -196,8 +195,7 @@ def main():
                   warp_instr_per_token=st["loop_instructions"] / cex["BLOCK_N"])
         top = ", ".join(f"{k} {v}" for k, v in list(st["loop_opcodes"].items())[:args.top])
         print(json.dumps(st, indent=1) if args.json else
-              f"decode_mma prefetch={args.prefetch}: loop={st['loop_instructions']} per "
-              f"{cex['BLOCK_N']} tokens "
+              f"decode_mma prefetch={args.prefetch}: loop={st['loop_instructions']} per 64 tokens "
               f"-> {st['warp_instr_per_token']:.1f} warp instr/token, spill ops "
               f"{st['spill_ops']}, {res['reg']} regs -> {st['programs_per_sm']} programs/SM\n"
               f"    {top}")

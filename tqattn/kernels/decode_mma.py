@@ -32,7 +32,7 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
 programs that the compiled kernel's registers let an SM hold (programs_per_sm), splits differ
 by at most one tile; by default the words of tile t+1 are loaded while tile t is computed
-(232 registers, 8 programs per SM; without: 161, 12 per SM — slower at every shape measured).
+(198 registers, 8 programs per SM; without: 161, 12 per SM — slower at every shape measured).
 With programmatic dependent launch (sm_90+) the kernel's prologue overlaps the query rotation
 kernel (and the store of a decode step's new K/V, launched with it). Measured (H200):
 bench/results/decode_h200_s7.md.
@@ -382,25 +382,12 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # (with the page indices one tile ahead here too, B = 32 at 16K measured 202 µs instead of
     # 176: bench/results/decode_s6_5_h200_prelim.md vs decode_tune_s6_3_h200_prelim.md)
     if PREFETCH:
-        # two tiles per iteration with two register sets: a loop-carried copy of the next
-        # tile's words (kw = kw_n) is a register move that waits for those loads at the end of
-        # every iteration (15 % of all stall samples, ncu) and costs ~40 moves per tile
-        for t in range(t0, t_mid - 1, 2):
+        for t in range(t0, t_mid):
             kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane, BS),
                                           page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
                                           VZ_OFF)
             m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
                                        False)
-            kw, vw, sc = _load_tile(t + 2, _pages(t + 2, seq_len, bt_row, lane, BS), page0,
-                                    lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-            m_i, l_p, z_p, acc = _tile(kw_n, vw_n, sc_n, t + 1, seq_len, m_i, l_p, z_p, acc, qb,
-                                       tab, tau, False)
-        if (t_mid - t0) % 2 == 1:
-            kw_n, vw_n, sc_n = _load_tile(t_mid, _pages(t_mid, seq_len, bt_row, lane, BS),
-                                          page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
-                                          VZ_OFF)
-            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid - 1, seq_len, m_i, l_p, z_p, acc, qb,
-                                       tab, tau, False)
             kw, vw, sc = kw_n, vw_n, sc_n
     elif t0 < t_mid:
         m_i, l_p, z_p, acc = _tile(kw, vw, sc, t0, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
@@ -478,9 +465,8 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
 EARLY_LOADS = {True: False, "except_last": True}
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
-# SM without prefetch (161 registers), 8 with the prefetched words of the next tile (232: two
-# tiles per iteration; any count up to 256 holds 2 warps per scheduler)
-MAXNREG = {False: 168, True: 232}
+# SM without prefetch (148 registers), 8 with the prefetched words of the next tile (214)
+MAXNREG = {False: 168, True: 216}
 _RESIDENT: dict = {}
 
 

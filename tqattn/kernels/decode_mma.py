@@ -465,7 +465,7 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
 EARLY_LOADS = {True: False, "except_last": True}
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
-# SM without prefetch (148 registers), 8 with the prefetched words of the next tile (214)
+# SM without prefetch (161 registers), 8 with the prefetched words of the next tile (198)
 MAXNREG = {False: 168, True: 216}
 _RESIDENT: dict = {}
 

@@ -82,7 +82,7 @@ def cosines(out, ref):
     return whole, worst
 
 
-def timed(timers, fn):
+def timed_all(timers, fn):
     """graph_us of the first timer; the other timers' medians (other L2 flush modes) added as
     us_<mode>."""
     r = timers[0].graph_us(fn)
@@ -103,7 +103,7 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune
     vc = contiguous_kv(v, bt, b, l, hk, d)
     q4 = q.view(b, hq, 1, d)
     ref = F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True).view(b, hq, d)
-    r = timed(timers, lambda: F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True))
+    r = timed_all(timers, lambda: F.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True))
     rows.append({**base, "method": "sdpa_bf16", "kv_bytes": bf16_bytes, **r})
     del kc, vc
     torch.cuda.empty_cache()
@@ -113,8 +113,8 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune
         fa_out = fa3(q1, k, v, cache_seqlens=seq_lens, page_table=bt, causal=True)
         fa_out = fa_out[0] if isinstance(fa_out, tuple) else fa_out
         cf = cosines(fa_out.view(b, hq, d), ref)
-        r = timed(timers, lambda: fa3(q1, k, v, cache_seqlens=seq_lens, page_table=bt,
-                                       causal=True))
+        r = timed_all(timers, lambda: fa3(q1, k, v, cache_seqlens=seq_lens, page_table=bt,
+                                          causal=True))
         fa3_us = r["us"]
         rows.append({**base, "method": "fa3_bf16_paged", "kv_bytes": bf16_bytes, **r,
                      "cos": cf[0], "cos_worst": cf[1]})
@@ -136,7 +136,7 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune
             for cfg in configs:
                 fn = lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out, **cfg)  # noqa: E731
                 try:
-                    r = timed(timers, fn)
+                    r = timed_all(timers, fn)
                 except Exception as e:  # noqa: BLE001 - keep sweeping
                     print(f"  {name} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
@@ -170,7 +170,8 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune
             rr["pct_copy"] = 100 * rr["gbs"] / copy_gbs
             for mode in FLUSH_MODES:
                 if f"us_{mode}" in rr:
-                    rr[f"pct_copy_{mode}"] = 100 * rr["kv_bytes"] / rr[f"us_{mode}"] / 1e3 / copy_gbs
+                    gbs = rr["kv_bytes"] / rr[f"us_{mode}"] / 1e3
+                    rr[f"pct_copy_{mode}"] = 100 * gbs / copy_gbs
     del q, k, v, bt
     gc.collect()
     torch.cuda.empty_cache()

@@ -71,7 +71,8 @@ def main() -> None:
           f"{env['triton']}, {env['date']}", f"- command: `{env['command']}`",
           f"- D2D copy: {copy['gbs_rw']:.0f} GB/s; HBM = L2 flushed (memset) before each graph "
           f"replay; L2 = block table folded onto {POOL_BYTES >> 20} MB of blocks, warm replays",
-          "", "| B | L | config | µs HBM | % copy | µs L2-resident | L2 / HBM |", "|" + "---|" * 7]
+          "", "| B | L | config | µs HBM | % copy | µs L2-resident | L2 / HBM |",
+          "|" + "---|" * 7]
     md += [f"| {r['batch']} | {r['ctx']} | `{json.dumps(r['cfg'])}` | {r['us_hbm']:.1f} | "
            f"{r['pct_copy_hbm']:.0f}% | {r['us_l2']:.1f} | {r['us_l2'] / r['us_hbm']:.2f} |"
            for r in rows]

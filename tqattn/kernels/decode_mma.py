@@ -35,7 +35,7 @@ by at most one tile; by default the words of tile t+1 are loaded while tile t is
 (198 registers, 8 programs per SM; without: 161, 12 per SM — slower at every shape measured).
 With programmatic dependent launch (sm_90+) the kernel's prologue overlaps the query rotation
 kernel (and the store of a decode step's new K/V, launched with it). Measured (H200):
-bench/results/decode_h200_s7.md.
+bench/results/decode_h200_s8.md.
 """
 from __future__ import annotations
 

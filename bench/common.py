@@ -41,8 +41,8 @@ class Timer:
         elif self.mode == "read":
             torch.sum(self.buf, dim=0, out=self.sink)
 
-    def graph_us(self, fn, *, min_reps=20, max_reps=400, budget_ms=250.0, warmup=3) -> dict:
-        """Median µs of a CUDA-graph replay of fn(), L2 flushed before each rep."""
+    @staticmethod
+    def _capture(fn, warmup: int) -> torch.cuda.CUDAGraph:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -56,26 +56,48 @@ class Timer:
         for _ in range(warmup):
             graph.replay()
         torch.cuda.synchronize()
+        return graph
+
+    def _replays(self, graphs, min_reps, max_reps, budget_ms) -> list[list[float]]:
+        """µs of each graph's replays, the graphs taking turns (each replay after a flush)."""
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         ev[0].record()
         for _ in range(3):
-            graph.replay()
+            for g in graphs:
+                g.replay()
         ev[1].record()
         torch.cuda.synchronize()
         est_ms = max(ev[0].elapsed_time(ev[1]) / 3, 1e-3)
         reps = int(min(max_reps, max(min_reps, budget_ms / est_ms)))
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                   for _ in range(reps)] for _ in graphs]
         for i in range(reps):
-            self.flush()
-            starts[i].record()
-            graph.replay()
-            ends[i].record()
+            for g, ev_g in zip(graphs, events):
+                self.flush()
+                ev_g[i][0].record()
+                g.replay()
+                ev_g[i][1].record()
         torch.cuda.synchronize()
-        times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+        return [[s.elapsed_time(e) * 1e3 for s, e in ev_g] for ev_g in events]
+
+    def graph_us(self, fn, *, min_reps=20, max_reps=400, budget_ms=250.0, warmup=3) -> dict:
+        """Median µs of a CUDA-graph replay of fn(), L2 flushed before each rep."""
+        graph = self._capture(fn, warmup)
+        times, = self._replays([graph], min_reps, max_reps, budget_ms)
         del graph
-        return {"us": statistics.median(times), "reps": reps,
-                "min_us": min(times), "p90_us": sorted(times)[int(0.9 * (reps - 1))]}
+        return {"us": statistics.median(times), "reps": len(times),
+                "min_us": min(times), "p90_us": sorted(times)[int(0.9 * (len(times) - 1))]}
+
+    def paired_us(self, fn_a, fn_b, *, min_reps=40, max_reps=400, budget_ms=500.0,
+                  warmup=3) -> dict:
+        """What fn_b costs over fn_a: their graphs replayed in turns (a, b, a, b, ...), so drift
+        in clocks or memory state between two separate timings does not enter; diff_us = the
+        median of the per-turn differences."""
+        graphs = [self._capture(fn_a, warmup), self._capture(fn_b, warmup)]
+        ta, tb = self._replays(graphs, min_reps, max_reps, budget_ms)
+        del graphs
+        return {"a_us": statistics.median(ta), "b_us": statistics.median(tb),
+                "diff_us": statistics.median(b - a for a, b in zip(ta, tb)), "reps": len(ta)}
 
     def eager_us(self, fn, reps=20) -> float:
         fn()

@@ -32,8 +32,9 @@ class Timer:
         if flush not in FLUSH_MODES:
             raise ValueError(f"flush={flush!r}: expected one of {FLUSH_MODES}")
         self.mode = flush
-        self.buf = torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device=device)
-        self.sink = torch.empty((), dtype=torch.float32, device=device)
+        if flush != "none":
+            self.buf = torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device=device)
+            self.sink = torch.empty((), dtype=torch.float32, device=device)
 
     def flush(self) -> None:
         if self.mode == "memset":

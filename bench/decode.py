@@ -157,7 +157,8 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune
                 # the step as the backend runs it: the new K/V handed to the decode, which
                 # stores them in its first launch where it can (store_and_forward); timed in
                 # turns with the decode alone (the store's share is a few µs of 100+)
-                step = timers[0].paired_us(fn, lambda: decode_attention_triton(
+                step = timers[0].paired_us(lambda: decode_attention_triton(
+                    codec, q, cache, bt, seq_lens, out=out), lambda: decode_attention_triton(
                     codec, q, cache, bt, seq_lens, out=out, new_kv=(kn, vn, slots)))
                 rows[-1]["step_us"] = step["b_us"]
                 rows[-1]["store_in_step_us"] = step["diff_us"]

@@ -120,17 +120,16 @@ LUT3_ROWS = tl.constexpr(_lut3_rows_text())
 
 
 def _u4_pair_text() -> str:
-    text = "{\n.reg .b32 x, t, k, o;\nmov.b32 k, 0x64006400;\nmov.b32 o, 0x54005400;\n"
+    text = ("{\n.reg .b32 x, t, k, m, c;\nmov.b32 k, 0x64006400;\n"
+            "mov.b32 m, 0x2C002C00;\nmov.b32 c, 0xD400D400;\n")
     for b in range(4):
         sel = b | b << 4 | (4 + b) << 8 | (4 + b) << 12     # [A byte b, -, B byte b, -]
         text += (f"prmt.b32 x, $8, $9, {sel:#06x};\n"
                  f"lop3.b32 t, x, 0x000F000F, k, 0xEA;\nsub.f16x2 ${2 * b}, t, k;\n"
-                 f"lop3.b32 ${2 * b + 1}, x, 0x00F000F0, o, 0xEA;\n")
+                 f"lop3.b32 t, x, 0x00F000F0, k, 0xEA;\nfma.rn.f16x2 ${2 * b + 1}, t, m, c;\n")
     return text + "}"
 
 
 # 4-bit uniform codes of two token rows (words A = $8, B = $9: 8 codes each, two per byte) →
-# ``$(2b + h)``: the (A, B) pair of byte b's low nibble n (h = 0: fp16 n, from 0x6400 | n =
-# 1024 + n minus 1024) / high nibble n (h = 1: fp16 64 + n, i.e. 0x5400 | 16n, one lop3 and
-# no subtraction — the decode kernel takes the offset 64 off with its zero points).
+# ``$(2b + h)``: the (A, B) pair of the low (h = 0) / high (h = 1) nibble of byte b.
 U4_PAIRS = tl.constexpr(_u4_pair_text())

@@ -195,51 +195,34 @@ def _pages(t, seq_len, bt_row, lane, BS: gl.constexpr):
 
 
 @gluon.jit
-def _key_words(t, page, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr):
-    """The lane's 12 key words of tile t (page: the first of :func:`_pages`)."""
-    tg = t * TILE + 8 * (lane // 4)
-    kb = (page0 + page.to(gl.int64) * sc_b + K_OFF + (lane % 4) * BS + (tg % BS)).to(
-        gl.pointer_type(gl.int64))
-    return (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
-            gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
-            gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
-            gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
-            gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
-
-
-@gluon.jit
-def _value_words(t, page, page0, lane, sc_b, V_OFF: gl.constexpr, BS: gl.constexpr):
-    """The lane's 16 value words of tile t (page: the second of :func:`_pages`)."""
-    tt = t * TILE + 16 * (lane % 4)
-    vb = (page0 + page.to(gl.int64) * sc_b + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(
-        gl.pointer_type(gl.int64))
-    return (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
-            gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
-            gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
-            gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
-            gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
-
-
-@gluon.jit
-def _scalar_words(t, page, page0, lane, sc_b, BS: gl.constexpr, KN_OFF: gl.constexpr,
-                  VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr):
-    """The lane's 8 key norms, value scales and zero points of tile t, 16 contiguous bytes per
-    role (offsets are multiples of 16)."""
-    tg = t * TILE + 8 * (lane // 4)
-    sp = (page0 + page.to(gl.int64) * sc_b + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
-    return (_load16(sp + KN_OFF // 8), _load16(sp + VS_OFF // 8), _load16(sp + VZ_OFF // 8))
-
-
-@gluon.jit
 def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
                KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
                VZ_OFF: gl.constexpr):
     """The lane's raw words of tile t (pages: :func:`_pages` of t): 12 key words, 16 value
     words, 3 × 2 words of fp16 scalars. Pages hold >= 16 tokens and tiles start at page
     boundaries, so each lane reads one page per role."""
-    return (_key_words(t, pages[0], page0, lane, sc_b, BS, K_OFF),
-            _value_words(t, pages[1], page0, lane, sc_b, V_OFF, BS),
-            _scalar_words(t, pages[0], page0, lane, sc_b, BS, KN_OFF, VS_OFF, VZ_OFF))
+    tg = t * TILE + 8 * (lane // 4)
+    tt = t * TILE + 16 * (lane % 4)
+    pg = page0 + pages[0].to(gl.int64) * sc_b
+    pv = page0 + pages[1].to(gl.int64) * sc_b
+    kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
+    vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
+    sp = pg + 2 * (tg % BS)
+    kw = (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
+          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
+          gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
+          gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
+          gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
+    vw = (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
+          gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
+          gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
+          gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
+          gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
+    # the lane's 8 scalars of a role are 16 contiguous bytes (offsets are multiples of 16)
+    sp = sp.to(gl.pointer_type(gl.int64))
+    sc = (_load16(sp + KN_OFF // 8), _load16(sp + VS_OFF // 8),
+          _load16(sp + VZ_OFF // 8))
+    return kw, vw, sc
 
 
 @gluon.jit
@@ -250,13 +233,15 @@ def _lane_sums(x):
 
 
 @gluon.jit
-def _softmax(s, vs, vz, t, seq_len, st, tau, MASKED: gl.constexpr):
-    """Online softmax of one tile's scores s (rescaled only when a head's running max grows by
-    more than 8 in log2 units, so p ≤ 256) → (state without acc update, P·V operand). State
-    st = (m_i, l_p, z_p, w_p, acc); lane sums: l_p of p, z_p of p·zero, w_p of p·scale (the
-    high-nibble rows of Vᵀ hold code + 64, see :data:`_asm.U4_PAIRS`; the epilogue takes 64·w
-    off them). MASKED: the sequence's last, partial tile."""
-    m_i, l_p, z_p, w_p, acc = st
+def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.constexpr):
+    """One 64-token tile from its raw words: scores, online softmax (rescaled only when a
+    head's running max grows by more than 8 in log2 units, so p ≤ 256), P·V. MASKED: the
+    sequence's last, partial tile."""
+    kn = _row_scalars(sc[0])
+    vs = _row_scalars(sc[1])
+    vz = _row_scalars(sc[2])
+    s = mma_v2(_key_operand(kw, tab), qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
+    s = s * kn
     if MASKED:
         ok = (t * TILE + tau < seq_len)[:, None]
         s = gl.where(ok, s, float("-inf"))
@@ -270,45 +255,13 @@ def _softmax(s, vs, vz, t, seq_len, st, tau, MASKED: gl.constexpr):
                                [8, 8, 8]), axis=0)
         l_p = l_p * a2
         z_p = z_p * a2
-        w_p = w_p * a2
         m_i = m_new
     p = gl.exp2(s - m_i[None, :])
     l_p = l_p + _lane_sums(p)
     z_p = z_p + _lane_sums(p * vz)
-    pv = p * vs
-    w_p = w_p + _lane_sums(pv)
-    return (m_i, l_p, z_p, w_p, acc), gl.convert_layout(pv.to(gl.float16), _OP_B)
-
-
-@gluon.jit
-def _tile(kw, vw, sc, t, seq_len, st, qb, tab, tau, MASKED: gl.constexpr):
-    """One 64-token tile from its raw words (:func:`_load_tile`): scores, :func:`_softmax`,
-    P·V."""
-    s = mma_v2(_key_operand(kw, tab), qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
-    st, pb = _softmax(s * _row_scalars(sc[0]), _row_scalars(sc[1]), _row_scalars(sc[2]), t,
-                      seq_len, st, tau, MASKED)
-    m_i, l_p, z_p, w_p, acc = st
-    return m_i, l_p, z_p, w_p, mma_v2(_value_operand(vw), pb, acc)
-
-
-@gluon.jit
-def _tile_load_next(kw, vw, sc, t, seq_len, st, qb, tab, tau, pages, page0, lane, sc_b,
-                    BS: gl.constexpr, K_OFF: gl.constexpr, KN_OFF: gl.constexpr,
-                    V_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr):
-    """:func:`_tile` of full tile t that loads tile t + 1's words (pages: its page indices),
-    each role right after this tile's words of that role are consumed, so the new words take
-    their registers: no second register set, no copies at the end of the loop."""
-    ka = _key_operand(kw, tab)
-    kw = _key_words(t + 1, pages[0], page0, lane, sc_b, BS, K_OFF)
-    s = mma_v2(ka, qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA)) * _row_scalars(sc[0])
-    vs = _row_scalars(sc[1])
-    vz = _row_scalars(sc[2])
-    sc = _scalar_words(t + 1, pages[0], page0, lane, sc_b, BS, KN_OFF, VS_OFF, VZ_OFF)
-    st, pb = _softmax(s, vs, vz, t, seq_len, st, tau, False)
-    m_i, l_p, z_p, w_p, acc = st
+    pb = gl.convert_layout((p * vs).to(gl.float16), _OP_B)
     acc = mma_v2(_value_operand(vw), pb, acc)
-    vw = _value_words(t + 1, pages[1], page0, lane, sc_b, V_OFF, BS)
-    return (m_i, l_p, z_p, w_p, acc), kw, vw, sc
+    return m_i, l_p, z_p, acc
 
 
 @gluon.jit
@@ -422,48 +375,49 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # a finite "-inf": the first tile always takes the rescale branch (alpha = 0)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
     l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
-    st = (m_i, l_p, l_p, l_p, gl.zeros([128, 8], gl.float32, layout=_MMA))
-    # PREFETCH: the words of tile t+1 are in flight while tile t is computed (each role's
-    # loads issued as soon as tile t's words of that role are consumed); else each tile
+    z_p = l_p
+    acc = gl.zeros([128, 8], gl.float32, layout=_MMA)
+    # PREFETCH: the words of tile t+1 are in flight while tile t is computed; else each tile
     # loads its own, except the first (loaded before the wait: its tile is peeled)
     # (with the page indices one tile ahead here too, B = 32 at 16K measured 202 µs instead of
     # 176: bench/results/decode_s6_5_h200_prelim.md vs decode_tune_s6_3_h200_prelim.md)
     if PREFETCH:
         for t in range(t0, t_mid):
-            st, kw, vw, sc = _tile_load_next(kw, vw, sc, t, seq_len, st, qb, tab, tau,
-                                             _pages(t + 1, seq_len, bt_row, lane, BS), page0,
-                                             lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
-                                             VZ_OFF)
+            kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane, BS),
+                                          page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
+                                          VZ_OFF)
+            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
+                                       False)
+            kw, vw, sc = kw_n, vw_n, sc_n
     elif t0 < t_mid:
-        st = _tile(kw, vw, sc, t0, seq_len, st, qb, tab, tau, False)
+        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t0, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
+                                   False)
         for t in range(t0 + 1, t_mid):
             kw, vw, sc = _load_tile(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
                                     VS_OFF, VZ_OFF)
             pages = _pages(t + 1, seq_len, bt_row, lane, BS)
-            st = _tile(kw, vw, sc, t, seq_len, st, qb, tab, tau, False)
+            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
+                                       False)
     if t_mid < t1:
         if not PREFETCH:
             if t0 < t_mid:  # else the words loaded before the wait are this tile's
                 kw, vw, sc = _load_tile(t_mid, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF,
                                         V_OFF, VS_OFF, VZ_OFF)
-        st = _tile(kw, vw, sc, t_mid, seq_len, st, qb, tab, tau, True)
-    m_i, l_p, z_p, w_p, acc = st
+        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
+                                   True)
 
     l_i = gl.convert_layout(gl.sum(l_p, axis=0), _HEADS)
     has = l_i > 0.0
     inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
     z = gl.convert_layout(gl.sum(z_p, axis=0), _HEADS) * inv
-    w64 = gl.convert_layout(gl.sum(w_p, axis=0), _HEADS) * (64.0 * inv)
     lse = gl.where(has, m_i * 0.6931471805599453 + gl.log(gl.where(has, l_i, 1.0)),
                    float("-inf"))
     heads = gl.arange(0, 8, layout=_HEADS)
     dims = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
     dim = 16 * (dims % 8) + dims // 8
     po = (b.to(gl.int64) * spo_r + (kvh * GROUP + heads) * spo_h + split * spo_s)
-    # rows ρ with odd ρ // 8 (odd dimensions) are high nibbles: code + 64
-    hi = ((dims // 8) % 2 == 1)[:, None]
-    o = acc * inv[None, :] + gl.where(hi, z[None, :] - w64[None, :], z[None, :])
-    gl.store(po_ptr + po[None, :] + dim[:, None], o, mask=(heads < GROUP)[None, :])
+    gl.store(po_ptr + po[None, :] + dim[:, None], acc * inv[None, :] + z[None, :],
+             mask=(heads < GROUP)[None, :])
     gl.store(plse_ptr + b * spl_r + (kvh * GROUP + heads) * spl_h + split, lse,
              mask=heads < GROUP)
 
@@ -488,7 +442,7 @@ def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
 
 
 def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
-          prefetch, pdl, early, maxnreg):
+          prefetch, pdl, early):
     m = spec.meta
     kf = spec.key_fields[0]
     groups = seq_lens.numel() * kv_cache.shape[1]
@@ -502,7 +456,7 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
                 VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, WRITE_LSE=lse is not None, PDL=pdl,
                 RELOAD_LAST=pdl and EARLY_LOADS[early], launch_pdl=pdl, num_warps=1,
-                maxnreg=maxnreg or MAXNREG[bool(prefetch)])
+                maxnreg=MAXNREG[bool(prefetch)])
     return args, meta
 
 
@@ -517,17 +471,17 @@ _RESIDENT: dict = {}
 
 
 def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool,
-                    pdl: bool, early_loads: bool | str, maxnreg: int | None = None) -> int:
+                    pdl: bool, early_loads: bool | str) -> int:
     """One-warp programs an SM holds at once, from the register count of the kernel variant
     that :func:`launch` runs with these flags (the split count fills one wave of them)."""
-    key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, maxnreg, qk.dtype,
+    key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, qk.dtype,
            str(qk.device))
     if key not in _RESIDENT:
         part = torch.empty(*qk.shape[:2], 16, qk.shape[2], device=qk.device)
         plse = torch.empty(*qk.shape[:2], 16, device=qk.device)
         out = torch.empty(qk.shape, dtype=torch.bfloat16, device=qk.device)
         args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, None,
-                           group, 16, prefetch, pdl, early_loads, maxnreg)
+                           group, 16, prefetch, pdl, early_loads)
         kernel = _decode_mma_kernel.warmup(*args, grid=(1, 1), **meta)
         try:
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
@@ -561,7 +515,7 @@ def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False,
 
 def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
            num_splits: int, prefetch: bool = True, pdl: bool = False,
-           early_loads: bool | str = True, maxnreg: int | None = None) -> None:
+           early_loads: bool | str = True) -> None:
     """qk: :func:`rotated_query`; part/plse: split scratch; out (rows, Hq, D) and lse (rows, Hq)
     or None receive the merged result. pdl: launch as a programmatic dependent of the kernel
     before it in the stream, which must be the query rotation (the kernel overlaps its prologue
@@ -574,7 +528,7 @@ def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, grou
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits}: the tensor-core kernel merges 1..{MAX_SPLITS}")
     args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                       num_splits, prefetch, pdl, early_loads, maxnreg)
+                       num_splits, prefetch, pdl, early_loads)
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
 
 

@@ -145,10 +145,9 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 def occupancy(res: dict[str, int], warps: int, shared: int) -> int:
     """Programs resident per sm_90 SM: four 16K-register banks (one per scheduler) holding
-    whole warps, 228 KB shared, 64 warps."""
+    whole warps, 228 KB shared (of which the driver reserves 1 KB per program), 64 warps."""
     per_bank = 16384 // max(32 * (-(-res["reg"] // 8) * 8), 1)
-    smem = max(res.get("shared", 0), shared)
-    return min(4 * per_bank // warps, 233472 // max(smem, 1) if smem else 64, 64 // warps)
+    return min(4 * per_bank // warps, 233472 // (shared + 1024), 64 // warps)
 
 
 def opcode(ins: str) -> str:

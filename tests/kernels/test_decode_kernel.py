@@ -131,14 +131,15 @@ def test_mma_dispatch_plumbing(monkeypatch):
     assert o is out and l is lse and out.dtype == torch.bfloat16 and lse.shape == (2, 8)
     # 4 "SMs" on CPU; the words of the next tile are prefetched by default
     assert (group, splits, prefetch, pdl, kw) == (4, 7 * 4 // (2 * 2), True, False,
-                                                  {"early_loads": True})
+                                                  {"early_loads": True, "maxnreg": None})
     assert part.shape == (2, 8, splits, 128) and plse.shape == (2, 8, splits)
     r = decode_mma._tables(spec, q.device)[1]
     want = rotate_query_ref(q, r, 1.4426950408889634 / math.sqrt(128))
     assert qk.dtype == torch.float16 and rel_err(qk.float(), want.float()) < 1e-3
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, mma_prefetch=False,
-                                   num_splits=3)
+                                   num_splits=3, mma_maxnreg=168)
     assert calls[-1][-4:-1] == (3, False, False) and calls[-1][8] is None
+    assert calls[-1][-1]["maxnreg"] == 168
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, window=8, num_splits=3,
                                    BLOCK_N=16)
     assert len(calls) == 2  # windows run the Triton kernel
@@ -147,4 +148,4 @@ def test_mma_dispatch_plumbing(monkeypatch):
     k, v = torch.randn(2, 2, 2, 128)
     slots = torch.tensor([int(bt[0, 39 // 16]) * 16 + 39 % 16, int(bt[1, 0]) * 16 + 8])
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, new_kv=(k, v, slots))
-    assert calls[-1][-1] == {"early_loads": "except_last"}
+    assert calls[-1][-1] == {"early_loads": "except_last", "maxnreg": None}

@@ -633,11 +633,12 @@ def _num_sms(device) -> int:
 # decode_tune_s7_2_prefetch_h200_prelim.md: B = 1 at 64K 56.8 vs 71.6 µs, B = 8 at 16K 60.4 vs
 # 64.9). mma_store_warps: the warps of the store + query-rotation launch of a decode step
 # (None: the store's decode-size default). qrot_block: rows per program of the query rotation
-# (None: kernels/qrot.py's choice by row count).
+# (None: kernels/qrot.py's choice by row count). mma_maxnreg: the register cap of the
+# tensor-core kernel (None: decode_mma.MAXNREG for its prefetch mode).
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
-            "mma_store_warps": None, "qrot_block": None}
+            "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -723,7 +724,8 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         # (bench/results/decode_tune_s6_2_h200_prelim.md: 13 programs per SM where 12 fit
         # took 84 µs at B = 8, 16K; 12: 67 µs)
         per_sm = cfg["mma_programs_per_sm"] or decode_mma.programs_per_sm(
-            spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early)
+            spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early,
+            cfg["mma_maxnreg"])
         num_splits = max(1, min(64, per_sm * _num_sms(q.device) // (batch * hk)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -731,7 +733,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
     decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                      num_splits, prefetch, pdl, early_loads=early)
+                      num_splits, prefetch, pdl, early_loads=early, maxnreg=cfg["mma_maxnreg"])
     return (out, lse) if return_lse else out
 
 

@@ -442,7 +442,7 @@ def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
 
 
 def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
-          prefetch, pdl, early):
+          prefetch, pdl, early, maxnreg):
     m = spec.meta
     kf = spec.key_fields[0]
     groups = seq_lens.numel() * kv_cache.shape[1]
@@ -456,7 +456,7 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
                 VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, WRITE_LSE=lse is not None, PDL=pdl,
                 RELOAD_LAST=pdl and EARLY_LOADS[early], launch_pdl=pdl, num_warps=1,
-                maxnreg=MAXNREG[bool(prefetch)])
+                maxnreg=maxnreg or MAXNREG[bool(prefetch)])
     return args, meta
 
 
@@ -471,17 +471,17 @@ _RESIDENT: dict = {}
 
 
 def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool,
-                    pdl: bool, early_loads: bool | str) -> int:
+                    pdl: bool, early_loads: bool | str, maxnreg: int | None = None) -> int:
     """One-warp programs an SM holds at once, from the register count of the kernel variant
     that :func:`launch` runs with these flags (the split count fills one wave of them)."""
-    key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, qk.dtype,
+    key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, maxnreg, qk.dtype,
            str(qk.device))
     if key not in _RESIDENT:
         part = torch.empty(*qk.shape[:2], 16, qk.shape[2], device=qk.device)
         plse = torch.empty(*qk.shape[:2], 16, device=qk.device)
         out = torch.empty(qk.shape, dtype=torch.bfloat16, device=qk.device)
         args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, None,
-                           group, 16, prefetch, pdl, early_loads)
+                           group, 16, prefetch, pdl, early_loads, maxnreg)
         kernel = _decode_mma_kernel.warmup(*args, grid=(1, 1), **meta)
         try:
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
@@ -515,20 +515,21 @@ def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False,
 
 def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
            num_splits: int, prefetch: bool = True, pdl: bool = False,
-           early_loads: bool | str = True) -> None:
+           early_loads: bool | str = True, maxnreg: int | None = None) -> None:
     """qk: :func:`rotated_query`; part/plse: split scratch; out (rows, Hq, D) and lse (rows, Hq)
     or None receive the merged result. pdl: launch as a programmatic dependent of the kernel
     before it in the stream, which must be the query rotation (the kernel overlaps its prologue
     with that kernel and waits for its completion before reading ``qk``; work before the
     rotation kernel is complete when it starts). early_loads: True, the prologue reads the
     cache before that wait; "except_last" when the rotation kernel also stores each sequence's
-    token at seq_len − 1 (that tile is read again after the wait)."""
+    token at seq_len − 1 (that tile is read again after the wait). maxnreg: the register cap
+    (None: :data:`MAXNREG` of the prefetch mode)."""
     if out.stride(-1) != 1:
         raise ValueError(f"out must have a contiguous last dimension, strides {out.stride()}")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits}: the tensor-core kernel merges 1..{MAX_SPLITS}")
     args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                       num_splits, prefetch, pdl, early_loads)
+                       num_splits, prefetch, pdl, early_loads, maxnreg)
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
 
 

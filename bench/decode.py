@@ -91,7 +91,26 @@ def timed_all(timers, fn):
     return r
 
 
-def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=None):
+def _store_times(timer, codec, q, cache, bt, seq_lens, out, cfg) -> dict:
+    """One decode step's store of B new tokens: alone (the store kernel) and inside the step
+    as the backend runs it (the new K/V handed to the decode, which stores them in its first
+    launch where it can), timed in turns with the decode alone: the store's share is a few µs
+    of 100+."""
+    b, hk, d = seq_lens.numel(), cache.shape[1], q.shape[-1]
+    kn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
+    vn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
+    slots = bt[:, -1].long() * BS + BS - 1
+    st = timer.graph_us(lambda: store_kv_triton(codec, kn, vn, cache, slots,
+                                                num_warps=cfg.get("mma_store_warps")))
+    step = timer.paired_us(
+        lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out, **cfg),
+        lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out,
+                                        new_kv=(kn, vn, slots), **cfg))
+    return {"store_us": st["us"], "step_us": step["b_us"], "store_in_step_us": step["diff_us"]}
+
+
+def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=None,
+              store=None):
     t_start = time.time()
     q, k, v, bt = make_data(b, l, hq, hk, d)
     seq_lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
@@ -148,20 +167,8 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune
                 print(f"  B={b} L={l} D={d} {name:<20} {cfg} {r['us']:.1f}us "
                       f"x_fa3={rr.get('x_fa3', 0):.3f} {gbs:.0f}GB/s {100 * gbs / copy_gbs:.0f}% "
                       f"cos={cs[0]:.4f}", flush=True)
-            if not tune:
-                kn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
-                vn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
-                slots = bt[:, -1].long() * BS + BS - 1
-                st = timers[0].graph_us(lambda: store_kv_triton(codec, kn, vn, cache, slots))
-                rows[-1]["store_us"] = st["us"]
-                # the step as the backend runs it: the new K/V handed to the decode, which
-                # stores them in its first launch where it can (store_and_forward); timed in
-                # turns with the decode alone (the store's share is a few µs of 100+)
-                step = timers[0].paired_us(lambda: decode_attention_triton(
-                    codec, q, cache, bt, seq_lens, out=out), lambda: decode_attention_triton(
-                    codec, q, cache, bt, seq_lens, out=out, new_kv=(kn, vn, slots)))
-                rows[-1]["step_us"] = step["b_us"]
-                rows[-1]["store_in_step_us"] = step["diff_us"]
+                if (not tune) if store is None else store:
+                    rr.update(_store_times(timers[0], codec, q, cache, bt, seq_lens, out, cfg))
         else:
             rows.append(row)
         del cache, out
@@ -257,6 +264,8 @@ def main():
                     help='--tune: JSON list of kernel configs, e.g. \'[{"maxnreg": 128}]\'')
     ap.add_argument("--tune-shapes", default="8x16384,32x16384,128x4096,1x16384",
                     help="--tune: comma-separated BATCHxCONTEXT shapes (32/8/128 heads)")
+    ap.add_argument("--tune-store", action="store_true",
+                    help="--tune: also time each config's store of a step's new K/V")
     ap.add_argument("--autotune", action="store_true",
                     help="time a few kernel configs at B=32, L=16K first and use the fastest")
     ap.add_argument("--defaults", type=json.loads, default=None,
@@ -322,7 +331,7 @@ def main():
         shapes = [tuple(map(int, x.split("x"))) for x in args.tune_shapes.split(",")]
         for b, l in shapes:
             rows += run_shape(timers, 32, 8, 128, b, l, presets, copy["gbs_rw"], fa3,
-                              tune=configs)
+                              tune=configs, store=args.tune_store)
     else:
         # the longest context last, after the extra shapes: a time-out loses the least
         ctxs = sorted(int(x) for x in args.contexts.split(","))

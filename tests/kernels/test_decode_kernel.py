@@ -149,6 +149,3 @@ def test_mma_dispatch_plumbing(monkeypatch):
     slots = torch.tensor([int(bt[0, 39 // 16]) * 16 + 39 % 16, int(bt[1, 0]) * 16 + 8])
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, new_kv=(k, v, slots))
     assert calls[-1][-1] == {"early_loads": "except_last", "maxnreg": None}
-    with pytest.raises(ValueError, match="mma_store_trigger='middle'"):
-        decode.decode_attention_triton(codec, q, cache, bt, seq_lens, new_kv=(k, v, slots),
-                                       mma_store_trigger="middle")

@@ -117,16 +117,14 @@ def test_decode_mma_path_gpu():
     assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
-@pytest.mark.parametrize("mma,tune", [(True, {}), (True, {"mma_store_trigger": "start"}),
-                                      (False, {})])
-def test_decode_with_new_kv_gpu(mma, tune):
+@pytest.mark.parametrize("mma", [True, False])
+def test_decode_with_new_kv_gpu(mma):
     """The step's new K/V handed to the decode (stored in the query rotation's launch on the
     tensor-core path): the same cache bytes and output as store, then decode — eager and
     replayed from a CUDA graph with new tokens."""
     from tqattn.kernels.decode import decode_attention_triton
     from tqattn.kernels.store import store_kv_triton
     codec = _codec("turboquant_k3v4_nc", 128)
-    tune = dict(tune, MMA=mma)
     lens = [900, 3000, 17, 64]   # the new token overwrites each sequence's last slot
     cache, bt, seq_lens = filled_cache(codec, lens, 8, 16, device=DEV)
     slots = torch.cat([slots_for(bt, b, torch.tensor([n - 1], device=DEV), 16)
@@ -135,8 +133,8 @@ def test_decode_with_new_kv_gpu(mma, tune):
     k, v = torch.randn(2, 4, 8, 128, device=DEV, dtype=torch.bfloat16)
     a, b = cache.clone(), cache.clone()
     store_kv_triton(codec, k, v, a, slots)
-    want = decode_attention_triton(codec, q, a, bt, seq_lens, **tune)
-    got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), **tune)
+    want = decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)
+    got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), MMA=mma)
     # the fused launch rotates the query in larger blocks than the standalone rotation kernel
     # (another summation order): a few fp16 query elements round the other way
     assert torch.equal(a, b) and rel_err(got, want) < 1e-4
@@ -144,7 +142,7 @@ def test_decode_with_new_kv_gpu(mma, tune):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), out=out,
-                                **tune)
+                                MMA=mma)
     for _ in range(2):
         k.copy_(torch.randn_like(k))
         v.copy_(torch.randn_like(v))
@@ -153,7 +151,7 @@ def test_decode_with_new_kv_gpu(mma, tune):
         store_kv_triton(codec, k, v, a, slots)
         torch.cuda.synchronize()
         assert torch.equal(a, b)
-        assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens, **tune)) < 1e-4
+        assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)) < 1e-4
 
 
 @pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3"])

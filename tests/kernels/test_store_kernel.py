@@ -81,9 +81,6 @@ def test_store_rotation_precision_is_checked():
     with pytest.raises(ValueError, match="rotation_precision='tf32'"):
         store_kv_triton(codec, torch.randn(1, 1, 64), torch.randn(1, 1, 64), cache,
                         torch.zeros(1, dtype=torch.long), rotation_precision="tf32")
-    with pytest.raises(ValueError, match="launch_dependents='end'"):
-        store_kv_triton(codec, torch.randn(1, 1, 64), torch.randn(1, 1, 64), cache,
-                        torch.zeros(1, dtype=torch.long), launch_dependents="end")
 
 
 def test_store_half_inputs():

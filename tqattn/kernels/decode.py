@@ -638,13 +638,7 @@ def _num_sms(device) -> int:
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
-            "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None,
-            "mma_store_trigger": "end"}
-# mma_store_trigger: where the store + query-rotation launch of a decode step lets the decode
-# kernel launch (programmatic dependent launch): at the end of each of its programs, or at the
-# start (the decode's prologue then overlaps the store; it still waits for the store's
-# completion before reading the query and the stored token)
-_STORE_TRIGGER = {"end": True, "start": "start"}
+            "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -712,9 +706,6 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     LSE)."""
     rows, hq, d = q.shape
     batch, hk = seq_lens.numel(), kv_cache.shape[1]
-    if cfg["mma_store_trigger"] not in _STORE_TRIGGER:
-        raise ValueError(f"mma_store_trigger={cfg['mma_store_trigger']!r}; valid: "
-                         f"{', '.join(map(repr, _STORE_TRIGGER))}")
     pdl = cfg["mma_pdl"]
     if pdl is None:  # the decode kernel starts during the rotation kernel (sm_90+)
         pdl = decode_mma.pdl_supported(q.device)
@@ -723,8 +714,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     else:
         qk = store.store_kv_and_rotate_query(spec.codec, *new_kv[:2], kv_cache, new_kv[2], q,
                                              *decode_mma.query_rotation(spec, q.device, scale),
-                                             launch_dependents=pdl and _STORE_TRIGGER[
-                                                 cfg["mma_store_trigger"]],
+                                             launch_dependents=pdl,
                                              num_warps=cfg["mma_store_warps"])
     # new_kv: each sequence's token at seq_len − 1 is stored by the rotation kernel
     early = True if new_kv is None else "except_last"

@@ -267,14 +267,11 @@ def _store_kernel(
         V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
         PAD_OFF: tl.constexpr, PAD_N: tl.constexpr,
         q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, HAS_Q: tl.constexpr,
-        LAUNCH_DEPENDENTS: tl.constexpr, TRIGGER_AT_START: tl.constexpr):
+        LAUNCH_DEPENDENTS: tl.constexpr):
     # programs: [0, n_kv) keys and [n_kv, 2 n_kv) values of row block pid % n_kv; with HAS_Q,
     # then the query rotation's blocks (kernels/qrot.py), so a decode step stores and rotates
     # in one launch
     pid = tl.program_id(0)
-    if LAUNCH_DEPENDENTS:
-        if TRIGGER_AT_START:
-            tl.extra.cuda.gdc_launch_dependents()
     n_kv = tl.maximum(tl.cdiv(N_ROWS, HB), 1)
     if HAS_Q:
         if pid >= 2 * n_kv:
@@ -338,8 +335,7 @@ def _store_kernel(
     # triggered at the start instead, its waiting programs took the SM slots its one-wave
     # split count assumes (B = 128, 16K: +75 µs)
     if LAUNCH_DEPENDENTS:
-        if not TRIGGER_AT_START:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 ROWS_PER_PROGRAM = 16  # (token, KV head) rows; see the module docstring
@@ -354,20 +350,17 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                     rows_per_program: int | None = None,
                     rotation_precision: str | None = None, block_k: int | None = None,
                     num_warps: int | None = None, query: tuple | None = None,
-                    launch_dependents: bool | str = False, _allow_empty: bool = False) -> None:
+                    launch_dependents: bool = False, _allow_empty: bool = False) -> None:
     """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place.
 
     ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM; ``block_k`` (the
     rotation's K chunk, a power of two >= 16) and ``num_warps`` are tuning knobs. ``query``
-    and ``launch_dependents`` (False, True: at the end of each program, "start": at its start):
-    see :func:`store_kv_and_rotate_query`.
+    and ``launch_dependents``: see :func:`store_kv_and_rotate_query`.
     ``rotation_precision``: "tf32x3" (three TF32 tensor-core dots, the default on CUDA) or
     "ieee" (fp32 FMA dots, the default elsewhere: the interpreter has no TF32).
     """
     if rotation_precision is None:
         rotation_precision = "tf32x3" if key.device.type == "cuda" else "ieee"
-    if launch_dependents not in (False, True, "start"):
-        raise ValueError(f"launch_dependents={launch_dependents!r}; valid: False, True, 'start'")
     if rotation_precision not in ("tf32x3", "ieee"):
         raise ValueError(f"rotation_precision={rotation_precision!r}; valid: 'tf32x3', 'ieee'")
     n, hk, d = key.shape
@@ -401,14 +394,13 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
         rows, HK=hk, HB=hb, BK=bk, TF32X3=rotation_precision == "tf32x3", num_warps=num_warps,
         **spec.meta, **dict(zip(("q_ptr", "NQ_ROWS", "qr_ptr", "qo_ptr", "q_scale"), q_args)),
-        HAS_Q=query is not None, LAUNCH_DEPENDENTS=bool(launch_dependents),
-        TRIGGER_AT_START=launch_dependents == "start")
+        HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents)
 
 
 def store_kv_and_rotate_query(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                               kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                               q: torch.Tensor, r: torch.Tensor, scale: float,
-                              launch_dependents: bool | str = False,
+                              launch_dependents: bool = False,
                               num_warps: int | None = None) -> torch.Tensor:
     """:func:`store_kv_triton` and :func:`tqattn.kernels.qrot.rotate_query` (q, r, scale) in
     one launch: the decode step's prologue. Returns the rotated query."""

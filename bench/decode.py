@@ -111,7 +111,9 @@ def _store_times(timer, codec, q, cache, bt, seq_lens, out, cfg) -> dict:
 
 def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=None,
               store=None):
+    """store: time each config's store in the step (default: only without tune configs)."""
     t_start = time.time()
+    store = not tune if store is None else store
     q, k, v, bt = make_data(b, l, hq, hk, d)
     seq_lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
     rows = []
@@ -167,7 +169,7 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune
                 print(f"  B={b} L={l} D={d} {name:<20} {cfg} {r['us']:.1f}us "
                       f"x_fa3={rr.get('x_fa3', 0):.3f} {gbs:.0f}GB/s {100 * gbs / copy_gbs:.0f}% "
                       f"cos={cs[0]:.4f}", flush=True)
-                if (not tune) if store is None else store:
+                if store:
                     rr.update(_store_times(timers[0], codec, q, cache, bt, seq_lens, out, cfg))
         else:
             rows.append(row)

@@ -100,9 +100,8 @@ def _store_times(timer, codec, q, cache, bt, seq_lens, out, cfg) -> dict:
     kn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
     vn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
     slots = bt[:, -1].long() * BS + BS - 1
-    st = timer.graph_us(lambda: store_kv_triton(
-        codec, kn, vn, cache, slots, num_warps=cfg.get("mma_store_warps"),
-        rotation_first=cfg.get("mma_store_rot_first", True)))
+    st = timer.graph_us(lambda: store_kv_triton(codec, kn, vn, cache, slots,
+                                                num_warps=cfg.get("mma_store_warps")))
     step = timer.paired_us(
         lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out, **cfg),
         lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out,

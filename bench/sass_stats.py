@@ -94,9 +94,7 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
     fn = decode_mma._decode_mma_kernel
     cex = dict(GROUP=group, HK=8, BS=block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
                V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
-               PREFETCH=decode_mma.PREFETCH_MODES[prefetch][0],
-               STAGES=decode_mma.PREFETCH_MODES[prefetch][1], WRITE_LSE=False, PDL=True,
-               RELOAD_LAST=reload_last)
+               PREFETCH=prefetch, WRITE_LSE=False, PDL=True, RELOAD_LAST=reload_last)
     ptrs = {"q_ptr": "*fp16", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
             "po_ptr": "*fp32", "plse_ptr": "*fp32", "tab_ptr": "*i32", "out_ptr": "*bf16",
             "lse_ptr": "*fp32", "count_ptr": "*i32"}
@@ -185,21 +183,18 @@ def main():
     ap.add_argument("--mma", action="store_true",
                     help="the Gluon tensor-core kernel (turboquant_k3v4_nc) instead")
     ap.add_argument("--prefetch", action="store_true", help="--mma: the prefetching variant")
-    ap.add_argument("--staged", choices=["staged", "staged2"], default=None,
-                    help="--mma: a shared-memory staged prefetch (mma_prefetch)")
     ap.add_argument("--reload-last", action="store_true",
                     help="--mma: the variant of decode steps that store new K/V")
     args = ap.parse_args()
     if args.mma:
-        prefetch = args.staged or args.prefetch
-        kernel, cex = compile_mma(prefetch, args.group, reload_last=args.reload_last)
+        kernel, cex = compile_mma(args.prefetch, args.group, reload_last=args.reload_last)
         st = loop_stats(*disassemble(kernel.asm["cubin"]))
         res = resources(kernel.asm["cubin"])
         st.update(resources=res, programs_per_sm=occupancy(res, 1, kernel.metadata.shared),
                   warp_instr_per_token=st["loop_instructions"] / cex["BLOCK_N"])
         top = ", ".join(f"{k} {v}" for k, v in list(st["loop_opcodes"].items())[:args.top])
         print(json.dumps(st, indent=1) if args.json else
-              f"decode_mma prefetch={prefetch}: loop={st['loop_instructions']} per 64 tokens "
+              f"decode_mma prefetch={args.prefetch}: loop={st['loop_instructions']} per 64 tokens "
               f"-> {st['warp_instr_per_token']:.1f} warp instr/token, spill ops "
               f"{st['spill_ops']}, {res['reg']} regs -> {st['programs_per_sm']} programs/SM\n"
               f"    {top}")

@@ -117,9 +117,8 @@ def test_decode_mma_path_gpu():
     assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
-@pytest.mark.parametrize("mma,prefetch", [(True, True), (False, True), (True, "staged"),
-                                          (True, "staged2")])
-def test_decode_with_new_kv_gpu(mma, prefetch):
+@pytest.mark.parametrize("mma", [True, False])
+def test_decode_with_new_kv_gpu(mma):
     """The step's new K/V handed to the decode (stored in the query rotation's launch on the
     tensor-core path): the same cache bytes and output as store, then decode — eager and
     replayed from a CUDA graph with new tokens."""
@@ -135,8 +134,7 @@ def test_decode_with_new_kv_gpu(mma, prefetch):
     a, b = cache.clone(), cache.clone()
     store_kv_triton(codec, k, v, a, slots)
     want = decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)
-    got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), MMA=mma,
-                                  mma_prefetch=prefetch)
+    got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), MMA=mma)
     # the fused launch rotates the query in larger blocks than the standalone rotation kernel
     # (another summation order): a few fp16 query elements round the other way
     assert torch.equal(a, b) and rel_err(got, want) < 1e-4
@@ -144,7 +142,7 @@ def test_decode_with_new_kv_gpu(mma, prefetch):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), out=out,
-                                MMA=mma, mma_prefetch=prefetch)
+                                MMA=mma)
     for _ in range(2):
         k.copy_(torch.randn_like(k))
         v.copy_(torch.randn_like(v))
@@ -154,20 +152,6 @@ def test_decode_with_new_kv_gpu(mma, prefetch):
         torch.cuda.synchronize()
         assert torch.equal(a, b)
         assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)) < 1e-4
-
-
-@pytest.mark.parametrize("prefetch", ["staged", "staged2"])
-def test_decode_mma_staged_gpu(prefetch):
-    """The shared-memory staged prefetch: splits shorter and longer than its stages, every
-    block size, without PDL, one long split."""
-    tune = {"mma_prefetch": prefetch}
-    for bs in (16, 32, 64):
-        _decode_case("turboquant_k3v4_nc", 128, 2, 7, bs, [63, 64, 65, 129, 5000, 1], tune=tune)
-    _decode_case("turboquant_k3v4_nc", 128, 2, 3, 16, [0, 300, 64], tune=tune)
-    _decode_case("turboquant_k3v4_nc", 128, 3, 4, 16, [5000, 17, 2500],
-                 tune={**tune, "mma_pdl": False})
-    _decode_case("turboquant_k3v4_nc", 128, 2, 4, 16, [9000, 200],
-                 tune={**tune, "num_splits": 1})
 
 
 @pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3"])

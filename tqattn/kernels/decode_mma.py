@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from . import _asm, qrot
 
@@ -56,13 +56,6 @@ _PAIR = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0]))  # 16 by
 _ML = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))     # [8 heads, 128] merge
 _LSE = gl.constexpr(gl.BlockedLayout([1, 2], [1, 32], [1, 1], [1, 0]))    # [8 heads, 64 splits]
 MAX_SPLITS = gl.constexpr(64)
-# shared-memory stages of the staged prefetch: [stage, word, lane], each lane's words in its
-# own column (one conflict-free 8-byte LDS per word)
-_STAGE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-_COLS = gl.constexpr(gl.BlockedLayout([32, 1], [1, 32], [1, 1], [0, 1]))   # [32 words, lane]
-_COL = gl.constexpr(gl.SliceLayout(0, _COLS.value))
-_COLS2 = gl.constexpr(gl.BlockedLayout([2, 1], [1, 32], [1, 1], [0, 1]))
-_ROW1 = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0]))
 _ROWS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
 _HEADS = gl.constexpr(gl.SliceLayout(0, _MMA.value))
 
@@ -233,67 +226,6 @@ def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexp
 
 
 @gluon.jit
-def _copy_tile(t, pages, page0, lane, sc_b, bufs, s, ok, BS: gl.constexpr, K_OFF: gl.constexpr,
-               KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
-               VZ_OFF: gl.constexpr):
-    """:func:`_load_tile`'s words of tile t copied asynchronously (cp.async, one commit group)
-    into stage s of :func:`_alloc_stages`, each lane's words in its own column; ok False: a
-    zero-fill with no memory traffic (tiles past the split). Rows of the main buffer: key words
-    0-11, value words 12-27, then the two words of the lane's key norms and of its value
-    scales; the zero points' two words go to the second buffer."""
-    tg = t * TILE + 8 * (lane // 4)
-    tt = t * TILE + 16 * (lane % 4)
-    pg = page0 + pages[0].to(gl.int64) * sc_b
-    pv = page0 + pages[1].to(gl.int64) * sc_b
-    kb = gl.convert_layout(
-        (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64)), _COL)[None, :]
-    vb = gl.convert_layout(
-        (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64)),
-        _COL)[None, :]
-    sp = gl.convert_layout((pg + 2 * (tg % BS)).to(gl.pointer_type(gl.int64)), _COL)[None, :]
-    j = gl.arange(0, 32, layout=gl.SliceLayout(1, _COLS))[:, None]
-    v = j - 12
-    # key word j: (j % 3) * 2 BS + (j // 3) * BS / 2 (the order of _load_tile)
-    ptr = gl.where(j < 12, kb + (j % 3) * 2 * BS + (j // 3) * (BS // 2),
-                   gl.where(j < 28, vb + 8 * (v // 2) + 64 * (v % 2),
-                            gl.where(j < 30, sp + KN_OFF // 8 + (j - 28),
-                                     sp + VS_OFF // 8 + (j - 30))))
-    async_copy.async_copy_global_to_shared(bufs[0].index(s), ptr, mask=(j >= 0) & ok)
-    z = gl.convert_layout((pg + 2 * (tg % BS)).to(gl.pointer_type(gl.int64)),
-                          gl.SliceLayout(0, _COLS2))[None, :]
-    h = gl.arange(0, 2, layout=gl.SliceLayout(1, _COLS2))[:, None]
-    async_copy.async_copy_global_to_shared(bufs[1].index(s), z + VZ_OFF // 8 + h,
-                                           mask=(h >= 0) & ok)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _alloc_stages(STAGES: gl.constexpr):
-    return (gl.allocate_shared_memory(gl.int64, [STAGES, 32, 32], _STAGE),
-            gl.allocate_shared_memory(gl.int64, [STAGES, 2, 32], _STAGE))
-
-
-@gluon.jit
-def _lds(buf, j: gl.constexpr):
-    """Row j of a stage buffer: one word per lane."""
-    return gl.convert_layout(gl.reshape(buf.slice(j, 1).load(_ROW1), [32]), _LANE)
-
-
-@gluon.jit
-def _read_tile(bufs, s):
-    """The words :func:`_copy_tile` staged in stage s, as :func:`_load_tile` returns them."""
-    a = bufs[0].index(s)
-    z = bufs[1].index(s)
-    kw = (_lds(a, 0), _lds(a, 1), _lds(a, 2), _lds(a, 3), _lds(a, 4), _lds(a, 5), _lds(a, 6),
-          _lds(a, 7), _lds(a, 8), _lds(a, 9), _lds(a, 10), _lds(a, 11))
-    vw = (_lds(a, 12), _lds(a, 13), _lds(a, 14), _lds(a, 15), _lds(a, 16), _lds(a, 17),
-          _lds(a, 18), _lds(a, 19), _lds(a, 20), _lds(a, 21), _lds(a, 22), _lds(a, 23),
-          _lds(a, 24), _lds(a, 25), _lds(a, 26), _lds(a, 27))
-    sc = ((_lds(a, 28), _lds(a, 29)), (_lds(a, 30), _lds(a, 31)), (_lds(z, 0), _lds(z, 1)))
-    return kw, vw, sc
-
-
-@gluon.jit
 def _lane_sums(x):
     """[64, 8] score-layout tensor → [8 g, 8 heads]: each lane's sum over its own 8 rows (no
     shuffles; rows g + 8i)."""
@@ -394,8 +326,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
-                       WRITE_LSE: gl.constexpr, PDL: gl.constexpr, RELOAD_LAST: gl.constexpr,
-                       STAGES: gl.constexpr):
+                       WRITE_LSE: gl.constexpr, PDL: gl.constexpr, RELOAD_LAST: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HK
@@ -423,34 +354,15 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # stores; the program whose first tile holds it loads that tile again after the wait).
     # Without PREFETCH the page indices run one tile ahead of the words, so a block-table miss
     # never waits in line before a tile's word loads
-    if PREFETCH == 2:
-        # staged: tiles t0 .. t0+STAGES-1 copied to shared memory (with RELOAD_LAST not the
-        # sequence's last tile, copied after the wait), tiles past the split zero-filled
-        bufs = _alloc_stages(STAGES)
-        for k in gl.static_range(STAGES):
-            _copy_tile(t0 + k, _pages(t0 + k, seq_len, bt_row, lane, BS), page0, lane, sc_b,
-                       bufs, k, (t0 + k < t1) & ((t0 + k < n_tiles - 1) | (not RELOAD_LAST)),
-                       BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-    else:
-        kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
-                                BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
+    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
+                            BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
     pages = _pages(t0 + 1, seq_len, bt_row, lane, BS)
     if PDL:
         # launched as a programmatic dependent of the rotation kernel: everything above
         # overlaps its tail; the query (its output) is read only after the grid dependency
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    if PREFETCH == 2:
-        if RELOAD_LAST:
-            if (t1 == n_tiles) & (n_tiles - 1 - t0 < STAGES):
-                async_copy.wait_group(0)
-                _copy_tile(n_tiles - 1, _pages(n_tiles - 1, seq_len, bt_row, lane, BS), page0,
-                           lane, sc_b, bufs, n_tiles - 1 - t0, t0 >= 0, BS, K_OFF, KN_OFF,
-                           V_OFF, VS_OFF, VZ_OFF)
-                async_copy.wait_group(0)
-        async_copy.wait_group(STAGES - 1)
-        kw, vw, sc = _read_tile(bufs, 0)
-    elif RELOAD_LAST:
+    if RELOAD_LAST:
         if t0 == n_tiles - 1:
             kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane,
                                     sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
@@ -469,20 +381,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # loads its own, except the first (loaded before the wait: its tile is peeled)
     # (with the page indices one tile ahead here too, B = 32 at 16K measured 202 µs instead of
     # 176: bench/results/decode_s6_5_h200_prelim.md vs decode_tune_s6_3_h200_prelim.md)
-    if PREFETCH == 2:
-        # tile t + STAGES goes to tile t's stage (its words are in registers since the
-        # previous iteration); tile t + 1 is read into registers a tile ahead of its use
-        for t in range(t0, t_mid):
-            s = (t - t0) % STAGES
-            _copy_tile(t + STAGES, _pages(t + STAGES, seq_len, bt_row, lane, BS), page0, lane,
-                       sc_b, bufs, s, t + STAGES < t1, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-            async_copy.wait_group(STAGES - 1)
-            kw_n, vw_n, sc_n = _read_tile(bufs, (s + 1) % STAGES)
-            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                       False)
-            kw, vw, sc = kw_n, vw_n, sc_n
-        async_copy.wait_group(0)  # the zero-fills past the split
-    elif PREFETCH:
+    if PREFETCH:
         for t in range(t0, t_mid):
             kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane, BS),
                                           page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
@@ -500,7 +399,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
             m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
                                        False)
     if t_mid < t1:
-        if PREFETCH == 0:
+        if not PREFETCH:
             if t0 < t_mid:  # else the words loaded before the wait are this tile's
                 kw, vw, sc = _load_tile(t_mid, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF,
                                         V_OFF, VS_OFF, VZ_OFF)
@@ -555,10 +454,9 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
             _counters(qk.device, groups), num_splits)
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
-                VZ_OFF=m["VZ_OFF"], PREFETCH=PREFETCH_MODES[prefetch][0],
-                STAGES=PREFETCH_MODES[prefetch][1],
-                WRITE_LSE=lse is not None, PDL=pdl, RELOAD_LAST=pdl and EARLY_LOADS[early],
-                launch_pdl=pdl, num_warps=1, maxnreg=maxnreg or MAXNREG[prefetch])
+                VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, WRITE_LSE=lse is not None, PDL=pdl,
+                RELOAD_LAST=pdl and EARLY_LOADS[early], launch_pdl=pdl, num_warps=1,
+                maxnreg=maxnreg or MAXNREG[bool(prefetch)])
     return args, meta
 
 
@@ -566,15 +464,9 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
 # sequence's token at seq_len − 1: decode steps with new_kv)
 EARLY_LOADS = {True: False, "except_last": True}
 
-# prefetch → the kernel's (PREFETCH, STAGES): none, the next tile's words in registers, or
-# "staged" / "staged2": the words of tiles t+1..t+3 (t+2) in flight to 3 (2) shared-memory
-# stages by cp.async, tile t+1's read into registers a tile ahead (25.5 / 17 KB of shared
-# memory: 8 / 12 programs per SM)
-PREFETCH_MODES = {False: (0, 1), True: (1, 1), "staged": (2, 3), "staged2": (2, 2)}
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
-# SM without prefetch (161 registers), 8 with the prefetched words of the next tile (198);
-# staged: 167 (spills 6 per tile at 168, the cap that keeps 12 per SM with 2 stages)
-MAXNREG = {False: 168, True: 216, "staged": 248, "staged2": 168}
+# SM without prefetch (161 registers), 8 with the prefetched words of the next tile (198)
+MAXNREG = {False: 168, True: 216}
 _RESIDENT: dict = {}
 
 
@@ -595,16 +487,10 @@ def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefe
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
             regs = -(-int(kernel.n_regs) // 8) * 8
         except (AttributeError, TypeError):  # another triton: the sm_90 build's count
-            regs = MAXNREG[prefetch]
+            regs = MAXNREG[bool(prefetch)]
         # an SM's 64K registers are four 16K banks, one per scheduler, each holding whole
         # warps: 144-168 registers fit 3 one-warp programs per bank, not 65536 / (32·regs)
-        per_sm = 4 * max(1, min(16, 16384 // (32 * regs)))
-        shared = int(getattr(kernel.metadata, "shared", 0) or 0)
-        if shared:  # the driver reserves 1 KB of shared memory per resident program
-            props = torch.cuda.get_device_properties(qk.device)
-            smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-            per_sm = min(per_sm, max(1, smem // (shared + 1024)))
-        _RESIDENT[key] = per_sm
+        _RESIDENT[key] = 4 * max(1, min(16, 16384 // (32 * regs)))
     return _RESIDENT[key]
 
 

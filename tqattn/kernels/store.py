@@ -123,30 +123,17 @@ def _outlier_rows(oidx, oval, rot_ptr, D: tl.constexpr, START: tl.constexpr,
 
 
 @triton.jit
-def _rot_chunk(rot_ptr, k0, D: tl.constexpr, BK: tl.constexpr, START: tl.constexpr,
-               COUNT: tl.constexpr, FDP: tl.constexpr):
-    """Rows [k0, k0+BK) of R's columns [START, START+COUNT): [BK, FDP] fp32."""
-    kk = k0 + tl.arange(0, BK)
-    j = tl.arange(0, FDP)
-    return tl.load(rot_ptr + kk[:, None] * D + START + j[None, :],
-                   mask=(kk < D)[:, None] & (j < COUNT)[None, :], other=0.0)
-
-
-@triton.jit
-def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, r_all, D: tl.constexpr,
-            DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr,
-            COUNT: tl.constexpr, FDP: tl.constexpr, TF32X3: tl.constexpr,
-            HAS_CORR: tl.constexpr, PRELOADED: tl.constexpr):
+def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, D: tl.constexpr, DP: tl.constexpr,
+            BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr, COUNT: tl.constexpr,
+            FDP: tl.constexpr, TF32X3: tl.constexpr, HAS_CORR: tl.constexpr):
     """Rotated unit vectors restricted to coordinates [START, START+COUNT): [HB, FDP] fp32;
-    with HAS_CORR, of x minus the vectors whose rotation is ``corr`` (outlier channels).
-    PRELOADED: ``r_all`` is the whole column block (BK = DP, loaded by the caller)."""
+    with HAS_CORR, of x minus the vectors whose rotation is ``corr`` (outlier channels)."""
+    j = tl.arange(0, FDP)
     y = tl.zeros([HB, FDP], tl.float32)
     for k0 in tl.static_range(0, DP, BK):
         kk = k0 + tl.arange(0, BK)
-        if PRELOADED:
-            r = r_all
-        else:
-            r = _rot_chunk(rot_ptr, k0, D, BK, START, COUNT, FDP)
+        r = tl.load(rot_ptr + kk[:, None] * D + START + j[None, :],
+                    mask=(kk < D)[:, None] & (j < COUNT)[None, :], other=0.0)
         if TF32X3:
             # fp32 accuracy on the tensor cores: x·r ≈ x_hi·r_hi + x_hi·r_lo + x_lo·r_hi with
             # v_hi = v truncated to TF32's 10 mantissa bits (exact in a TF32 dot) and
@@ -214,21 +201,9 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
                  F1_OFF: tl.constexpr, F1_BITS: tl.constexpr, F1_W: tl.constexpr,
                  F1_G: tl.constexpr, F1_GP: tl.constexpr, F1_CPW: tl.constexpr,
                  F1_START: tl.constexpr, F1_COUNT: tl.constexpr, F1_LUT: tl.constexpr,
-                 F1_BND: tl.constexpr, F1_CM: tl.constexpr, ROT_FIRST: tl.constexpr):
+                 F1_BND: tl.constexpr, F1_CM: tl.constexpr):
     """Norm + rotation + Lloyd–Max codes of x rows (the codec's _encode_unit), after taking
-    NOUT outlier channels out (the codec's _split_outliers). ROT_FIRST (one rotation chunk):
-    R's loads are issued before the rows' loads and reductions, so the two memory round
-    trips overlap instead of following each other on the program's critical path."""
-    PRE: tl.constexpr = ROT_FIRST and BK == DP
-    if PRE:
-        r0 = _rot_chunk(rot_ptr, 0, D, BK, F0_START, F0_COUNT, F0_GP * F0_CPW)
-        if HAS_F1:
-            r1 = _rot_chunk(rot_ptr, 0, D, BK, F1_START, F1_COUNT, F1_GP * F1_CPW)
-        else:
-            r1 = r0
-    else:
-        r0 = 0.0
-        r1 = 0.0
+    NOUT outlier channels out (the codec's _split_outliers)."""
     bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
     if NOUT > 0:
         oidx, oval = _split_outliers(x, h_ok, cache_ptr, base, off, D, DP, HB, OI_OFF, OV_OFF,
@@ -240,8 +215,8 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
         corr0 = tl.zeros([HB, F0_GP * F0_CPW], tl.float32)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
-    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, r0, D, DP, BK, HB, F0_START,
-                F0_COUNT, F0_GP * F0_CPW, TF32X3, NOUT > 0, PRE)
+    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, D, DP, BK, HB, F0_START, F0_COUNT,
+                F0_GP * F0_CPW, TF32X3, NOUT > 0)
     code = _bucketize(y, tab_ptr, F0_BND, F0_BITS)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0_OFF, F0_BITS, F0_W, F0_G, F0_GP,
                  F0_CPW, F0_CM)
@@ -252,8 +227,8 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
             corr1 = _outlier_rows(oidx, oval, rot_ptr, D, F1_START, F1_COUNT, F1_GP * F1_CPW)
         else:
             corr1 = tl.zeros([HB, F1_GP * F1_CPW], tl.float32)
-        y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, r1, D, DP, BK, HB, F1_START,
-                     F1_COUNT, F1_GP * F1_CPW, TF32X3, NOUT > 0, PRE)
+        y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, D, DP, BK, HB, F1_START,
+                     F1_COUNT, F1_GP * F1_CPW, TF32X3, NOUT > 0)
         code1 = _bucketize(y1, tab_ptr, F1_BND, F1_BITS)
         _store_codes(code1, cache_ptr, base, off, h_ok, HB, BS, F1_OFF, F1_BITS, F1_W, F1_G,
                      F1_GP, F1_CPW, F1_CM)
@@ -292,7 +267,7 @@ def _store_kernel(
         V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
         PAD_OFF: tl.constexpr, PAD_N: tl.constexpr,
         q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, HAS_Q: tl.constexpr,
-        LAUNCH_DEPENDENTS: tl.constexpr, ROT_FIRST: tl.constexpr):
+        LAUNCH_DEPENDENTS: tl.constexpr):
     # programs: [0, n_kv) keys and [n_kv, 2 n_kv) values of row block pid % n_kv; with HAS_Q,
     # then the query rotation's blocks (kernels/qrot.py), so a decode step stores and rotates
     # in one launch
@@ -332,14 +307,14 @@ def _store_kernel(
                              KOI_OFF, KOV_OFF, HAS_K1, K0_OFF, K0_BITS, K0_W, K0_G, K0_GP,
                              K0_CPW, K0_START, K0_COUNT, K0_LUT, K0_BND, K0_CM, K1_OFF, K1_BITS,
                              K1_W, K1_G, K1_GP, K1_CPW, K1_START, K1_COUNT, K1_LUT, K1_BND,
-                             K1_CM, ROT_FIRST)
+                             K1_CM)
         else:
             if V_TQ:
                 _encode_unit(v_ptr, v_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                              D, DP, BK, HB, TF32X3, BS, VN_OFF, V_CORR == 1, 0, 1, 0, 0, HAS_V1,
                              V0_OFF, V0_BITS, V0_W, V0_G, V0_GP, V0_CPW, V0_START, V0_COUNT,
                              V0_LUT, V0_BND, V0_CM, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW,
-                             V1_START, V1_COUNT, V1_LUT, V1_BND, V1_CM, ROT_FIRST)
+                             V1_START, V1_COUNT, V1_LUT, V1_BND, V1_CM)
             else:
                 bad, v, m = _row_stats(v_ptr, v_rows, ld_ok, D, V0_GP * V0_CPW)
                 vmin = tl.min(tl.where(m, v, float("inf")), axis=1)
@@ -375,13 +350,11 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                     rows_per_program: int | None = None,
                     rotation_precision: str | None = None, block_k: int | None = None,
                     num_warps: int | None = None, query: tuple | None = None,
-                    launch_dependents: bool = False, rotation_first: bool = True,
-                    _allow_empty: bool = False) -> None:
+                    launch_dependents: bool = False, _allow_empty: bool = False) -> None:
     """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place.
 
     ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM; ``block_k`` (the
-    rotation's K chunk, a power of two >= 16), ``num_warps`` and ``rotation_first`` (with one
-    rotation chunk, load R before the rows) are tuning knobs. ``query``
+    rotation's K chunk, a power of two >= 16) and ``num_warps`` are tuning knobs. ``query``
     and ``launch_dependents``: see :func:`store_kv_and_rotate_query`.
     ``rotation_precision``: "tf32x3" (three TF32 tensor-core dots, the default on CUDA) or
     "ieee" (fp32 FMA dots, the default elsewhere: the interpreter has no TF32).
@@ -421,21 +394,18 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
         rows, HK=hk, HB=hb, BK=bk, TF32X3=rotation_precision == "tf32x3", num_warps=num_warps,
         **spec.meta, **dict(zip(("q_ptr", "NQ_ROWS", "qr_ptr", "qo_ptr", "q_scale"), q_args)),
-        HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents,
-        ROT_FIRST=rotation_first)
+        HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents)
 
 
 def store_kv_and_rotate_query(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                               kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                               q: torch.Tensor, r: torch.Tensor, scale: float,
                               launch_dependents: bool = False,
-                              num_warps: int | None = None,
-                              rotation_first: bool = True) -> torch.Tensor:
+                              num_warps: int | None = None) -> torch.Tensor:
     """:func:`store_kv_triton` and :func:`tqattn.kernels.qrot.rotate_query` (q, r, scale) in
     one launch: the decode step's prologue. Returns the rotated query."""
     q2, out = qrot.check_and_alloc(q, r)
     store_kv_triton(codec, key, value, kv_cache, slot_mapping,
                     query=(q2, q2.shape[0], r, out, float(scale)), num_warps=num_warps,
-                    launch_dependents=launch_dependents, rotation_first=rotation_first,
-                    _allow_empty=True)
+                    launch_dependents=launch_dependents, _allow_empty=True)
     return out.view(q.shape)

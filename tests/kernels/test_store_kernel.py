@@ -60,6 +60,21 @@ def test_store_rows_per_program(name, rows_per_program):
     assert torch.equal(c, b)
 
 
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k3.5v3.5", "tq_k3o4v3.5"])
+@pytest.mark.parametrize("block_k", [16, 32])
+def test_store_rotation_chunks(name, block_k):
+    """The rotation in K chunks (the default for large steps; decode-size steps take it in
+    one): the same bytes."""
+    codec = TQCodec(name, 64)
+    hk, n, nb, bs = 2, 11, 2, 16
+    k, v = torch.randn(n, hk, 64) * 3, torch.randn(n, hk, 64)
+    k[2, 1, 7] = math.inf
+    slots = torch.randperm(nb * bs)[:n]
+    slots[3] = -1
+    a, b = _store_both(codec, k, v, slots, nb, bs, hk, block_k=block_k)
+    assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "tq_k3.5v3.5", "tq_k3o4v3.5"])
 def test_store_tf32x3_rotation(name):
     """The GPU's rotation (hi/lo split, three dots; the interpreter computes each dot in fp32)

@@ -94,8 +94,7 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
     fn = decode_mma._decode_mma_kernel
     cex = dict(GROUP=group, HK=8, BS=block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
                V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
-               PREFETCH=decode_mma.PREFETCH_MODES[prefetch], WRITE_LSE=False, PDL=True,
-               RELOAD_LAST=reload_last)
+               PREFETCH=prefetch, WRITE_LSE=False, PDL=True, RELOAD_LAST=reload_last)
     ptrs = {"q_ptr": "*fp16", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
             "po_ptr": "*fp32", "plse_ptr": "*fp32", "tab_ptr": "*i32", "out_ptr": "*bf16",
             "lse_ptr": "*fp32", "count_ptr": "*i32"}
@@ -183,8 +182,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mma", action="store_true",
                     help="the Gluon tensor-core kernel (turboquant_k3v4_nc) instead")
-    ap.add_argument("--prefetch", nargs="?", const=True, default=False,
-                    help="--mma: the prefetching variant (a value: an mma_prefetch mode)")
+    ap.add_argument("--prefetch", action="store_true", help="--mma: the prefetching variant")
     ap.add_argument("--reload-last", action="store_true",
                     help="--mma: the variant of decode steps that store new K/V")
     args = ap.parse_args()

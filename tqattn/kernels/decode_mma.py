@@ -195,47 +195,33 @@ def _pages(t, seq_len, bt_row, lane, BS: gl.constexpr):
 
 
 @gluon.jit
-def _load_keys(t, page, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
-               KN_OFF: gl.constexpr, VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr):
-    """The lane's 12 key words and 3 × 2 words of fp16 scalars of tile t (page: its key page,
-    :func:`_pages`)."""
-    tg = t * TILE + 8 * (lane // 4)
-    pg = page0 + page.to(gl.int64) * sc_b
-    kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
-    kw = (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
-          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
-          gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
-          gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
-          gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
-    # the lane's 8 scalars of a role are 16 contiguous bytes (offsets are multiples of 16)
-    sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
-    sc = (_load16(sp + KN_OFF // 8), _load16(sp + VS_OFF // 8),
-          _load16(sp + VZ_OFF // 8))
-    return kw, sc
-
-
-@gluon.jit
-def _load_values(t, page, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr):
-    """The lane's 16 value words of tile t (page: its value page, :func:`_pages`)."""
-    tt = t * TILE + 16 * (lane % 4)
-    pv = page0 + page.to(gl.int64) * sc_b
-    vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
-    return (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
-            gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
-            gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
-            gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
-            gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
-
-
-@gluon.jit
 def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
                KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
                VZ_OFF: gl.constexpr):
     """The lane's raw words of tile t (pages: :func:`_pages` of t): 12 key words, 16 value
     words, 3 × 2 words of fp16 scalars. Pages hold >= 16 tokens and tiles start at page
     boundaries, so each lane reads one page per role."""
-    kw, sc = _load_keys(t, pages[0], page0, lane, sc_b, BS, K_OFF, KN_OFF, VS_OFF, VZ_OFF)
-    vw = _load_values(t, pages[1], page0, lane, sc_b, BS, V_OFF)
+    tg = t * TILE + 8 * (lane // 4)
+    tt = t * TILE + 16 * (lane % 4)
+    pg = page0 + pages[0].to(gl.int64) * sc_b
+    pv = page0 + pages[1].to(gl.int64) * sc_b
+    kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
+    vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
+    sp = pg + 2 * (tg % BS)
+    kw = (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
+          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
+          gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
+          gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
+          gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
+    vw = (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
+          gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
+          gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
+          gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
+          gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
+    # the lane's 8 scalars of a role are 16 contiguous bytes (offsets are multiples of 16)
+    sp = sp.to(gl.pointer_type(gl.int64))
+    sc = (_load16(sp + KN_OFF // 8), _load16(sp + VS_OFF // 8),
+          _load16(sp + VZ_OFF // 8))
     return kw, vw, sc
 
 
@@ -395,26 +381,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # loads its own, except the first (loaded before the wait: its tile is peeled)
     # (with the page indices one tile ahead here too, B = 32 at 16K measured 202 µs instead of
     # 176: bench/results/decode_s6_5_h200_prelim.md vs decode_tune_s6_3_h200_prelim.md)
-    if PREFETCH == 2:
-        # only the key words and scalars of tile t+1 in flight; tile t's value words load at
-        # the top of the tile and are first used after its scores and softmax
-        for t in range(t0, t_mid):
-            if t > t0:
-                vw = _load_values(t, _pages(t, seq_len, bt_row, lane, BS)[1], page0, lane,
-                                  sc_b, BS, V_OFF)
-            pg_n = _pages(t + 1, seq_len, bt_row, lane, BS)
-            kw_n, sc_n = _load_keys(t + 1, pg_n[0], page0, lane, sc_b, BS, K_OFF, KN_OFF,
-                                    VS_OFF, VZ_OFF)
-            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                       False)
-            kw, sc = kw_n, sc_n
-        if t_mid < t1:
-            if t0 < t_mid:
-                vw = _load_values(t_mid, _pages(t_mid, seq_len, bt_row, lane, BS)[1], page0,
-                                  lane, sc_b, BS, V_OFF)
-            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab,
-                                       tau, True)
-    elif PREFETCH:
+    if PREFETCH:
         for t in range(t0, t_mid):
             kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane, BS),
                                           page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
@@ -431,7 +398,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
             pages = _pages(t + 1, seq_len, bt_row, lane, BS)
             m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
                                        False)
-    if (PREFETCH != 2) & (t_mid < t1):
+    if t_mid < t1:
         if not PREFETCH:
             if t0 < t_mid:  # else the words loaded before the wait are this tile's
                 kw, vw, sc = _load_tile(t_mid, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF,
@@ -487,9 +454,9 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
             _counters(qk.device, groups), num_splits)
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
-                VZ_OFF=m["VZ_OFF"], PREFETCH=PREFETCH_MODES[prefetch],
-                WRITE_LSE=lse is not None, PDL=pdl, RELOAD_LAST=pdl and EARLY_LOADS[early],
-                launch_pdl=pdl, num_warps=1, maxnreg=maxnreg or MAXNREG[prefetch])
+                VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, WRITE_LSE=lse is not None, PDL=pdl,
+                RELOAD_LAST=pdl and EARLY_LOADS[early], launch_pdl=pdl, num_warps=1,
+                maxnreg=maxnreg or MAXNREG[bool(prefetch)])
     return args, meta
 
 
@@ -497,13 +464,9 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
 # sequence's token at seq_len − 1: decode steps with new_kv)
 EARLY_LOADS = {True: False, "except_last": True}
 
-# prefetch → the kernel's PREFETCH: none; all words of the next tile in flight (True); or
-# "keys": the next tile's key words and scalars in flight, each tile's value words loaded at
-# its top (first used after its scores)
-PREFETCH_MODES = {False: 0, True: 1, "keys": 2}
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
 # SM without prefetch (161 registers), 8 with the prefetched words of the next tile (198)
-MAXNREG = {False: 168, True: 216, "keys": 168}
+MAXNREG = {False: 168, True: 216}
 _RESIDENT: dict = {}
 
 
@@ -524,7 +487,7 @@ def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefe
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
             regs = -(-int(kernel.n_regs) // 8) * 8
         except (AttributeError, TypeError):  # another triton: the sm_90 build's count
-            regs = MAXNREG[prefetch]
+            regs = MAXNREG[bool(prefetch)]
         # an SM's 64K registers are four 16K banks, one per scheduler, each holding whole
         # warps: 144-168 registers fit 3 one-warp programs per bank, not 65536 / (32·regs)
         _RESIDENT[key] = 4 * max(1, min(16, 16384 // (32 * regs)))

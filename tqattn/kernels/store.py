@@ -13,6 +13,11 @@ channels are picked by m arg-max passes (ties → the lower channel, as the refe
 sort); the rotation of k − Σ o_c e_c is the rotation of k minus Σ o_c R[c, :] (rows gathered
 after the dots, so nothing sits between the load and the TF32 split). Rows per program and
 timings: bench/results/store_dequant_h200.json.
+
+At decode sizes a step's time includes the store's slowest program (a key program: the decode
+launches when it ends), so that program's latency chain is kept short: the table scalars and
+the rotation (one chunk) are loaded first, next to the rows, and the three TF32 dots accumulate
+in separate chains (bench/results/decode_notes.md, session 10).
 """
 
 from __future__ import annotations
@@ -75,15 +80,36 @@ def _store_codes(code, cache_ptr, base, off, h_ok, HB: tl.constexpr, BS: tl.cons
 
 
 @triton.jit
-def _centroid_ss(code, tab_ptr, LUT: tl.constexpr, BITS: tl.constexpr, COUNT: tl.constexpr):
+def _scalar(ptr, i: tl.constexpr, N: tl.constexpr):
+    if i < N:
+        v = tl.load(ptr + i)
+    else:
+        v = 0.0
+    return v
+
+
+@triton.jit
+def _table16(ptr, N: tl.constexpr):
+    """The first N (<= 16) fp32 scalars at ptr as a 16-tuple (the rest 0.0), loaded where this
+    is called: at the start of a program, so the loads overlap its first memory round trip
+    instead of adding their own in the middle of its latency chain (a load written at its use
+    is issued there, after the rotation)."""
+    return (_scalar(ptr, 0, N), _scalar(ptr, 1, N), _scalar(ptr, 2, N), _scalar(ptr, 3, N),
+            _scalar(ptr, 4, N), _scalar(ptr, 5, N), _scalar(ptr, 6, N), _scalar(ptr, 7, N),
+            _scalar(ptr, 8, N), _scalar(ptr, 9, N), _scalar(ptr, 10, N), _scalar(ptr, 11, N),
+            _scalar(ptr, 12, N), _scalar(ptr, 13, N), _scalar(ptr, 14, N),
+            _scalar(ptr, 15, N))
+
+
+@triton.jit
+def _centroid_ss(code, cen, BITS: tl.constexpr, COUNT: tl.constexpr):
     """Σĉ² [HB] in fp64 over the first COUNT columns (exact up to the last bits: the folded
     norm's fp16 rounding then matches the reference whatever the summation order). Centroids
-    by selects from the table's scalars, which load at the start: a gather here would add a
-    memory round trip to the store's latency chain."""
+    by selects from the table's scalars (cen: :func:`_table16`)."""
     j = tl.arange(0, code.shape[1])[None, :]
     c = tl.zeros(code.shape, tl.float32)
     for i in tl.static_range(1 << BITS):
-        c = tl.where(code == i, tl.load(tab_ptr + LUT + i), c)
+        c = tl.where(code == i, cen[i], c)
     c = tl.where(j < COUNT, c, 0.0).to(tl.float64)
     return tl.sum(c * c, axis=1)
 
@@ -123,17 +149,30 @@ def _outlier_rows(oidx, oval, rot_ptr, D: tl.constexpr, START: tl.constexpr,
 
 
 @triton.jit
-def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, D: tl.constexpr, DP: tl.constexpr,
-            BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr, COUNT: tl.constexpr,
-            FDP: tl.constexpr, TF32X3: tl.constexpr, HAS_CORR: tl.constexpr):
-    """Rotated unit vectors restricted to coordinates [START, START+COUNT): [HB, FDP] fp32;
-    with HAS_CORR, of x minus the vectors whose rotation is ``corr`` (outlier channels)."""
+def _rot_chunk(rot_ptr, k0, D: tl.constexpr, BK: tl.constexpr, START: tl.constexpr,
+               COUNT: tl.constexpr, FDP: tl.constexpr):
+    """Rows [k0, k0+BK) of R's columns [START, START+COUNT): [BK, FDP] fp32."""
+    kk = k0 + tl.arange(0, BK)
     j = tl.arange(0, FDP)
+    return tl.load(rot_ptr + kk[:, None] * D + START + j[None, :],
+                   mask=(kk < D)[:, None] & (j < COUNT)[None, :], other=0.0)
+
+
+@triton.jit
+def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, r_all, D: tl.constexpr,
+            DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr,
+            COUNT: tl.constexpr, FDP: tl.constexpr, TF32X3: tl.constexpr,
+            HAS_CORR: tl.constexpr, PRELOADED: tl.constexpr):
+    """Rotated unit vectors restricted to coordinates [START, START+COUNT): [HB, FDP] fp32;
+    with HAS_CORR, of x minus the vectors whose rotation is ``corr`` (outlier channels).
+    PRELOADED: ``r_all`` is the whole column block (BK = DP, loaded by the caller)."""
     y = tl.zeros([HB, FDP], tl.float32)
     for k0 in tl.static_range(0, DP, BK):
         kk = k0 + tl.arange(0, BK)
-        r = tl.load(rot_ptr + kk[:, None] * D + START + j[None, :],
-                    mask=(kk < D)[:, None] & (j < COUNT)[None, :], other=0.0)
+        if PRELOADED:
+            r = r_all
+        else:
+            r = _rot_chunk(rot_ptr, k0, D, BK, START, COUNT, FDP)
         if TF32X3:
             # fp32 accuracy on the tensor cores: x·r ≈ x_hi·r_hi + x_hi·r_lo + x_lo·r_hi with
             # v_hi = v truncated to TF32's 10 mantissa bits (exact in a TF32 dot) and
@@ -146,9 +185,13 @@ def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, D: tl.constexpr, DP: tl
                          other=0.0).to(tl.float32)
             xh, xl = _tf32_split(xk)
             rh, rl = _tf32_split(r)
-            y = tl.dot(xl, rh, y, input_precision="tf32")
-            y = tl.dot(xh, rl, y, input_precision="tf32")
-            y = tl.dot(xh, rh, y, input_precision="tf32")
+            # three independent accumulation chains, not one three times as long: the
+            # (always true) selects keep the compiler from folding the sum back into one
+            # dot's accumulator
+            live = (den > 0.0)[:, None]
+            y = (tl.dot(xh, rh, y, input_precision="tf32")
+                 + tl.where(live, tl.dot(xl, rh, input_precision="tf32"), 0.0)
+                 + tl.where(live, tl.dot(xh, rl, input_precision="tf32"), 0.0))
         else:  # IEEE fp32 on the FMA units (the whole store 1.5x slower at 16K tokens)
             xk = tl.load(x_ptr + rows[:, None] + kk[None, :],
                          mask=ld_ok[:, None] & (kk < D)[None, :], other=0.0).to(tl.float32)
@@ -170,10 +213,11 @@ def _tf32_split(x):
 
 
 @triton.jit
-def _bucketize(y, tab_ptr, BND: tl.constexpr, BITS: tl.constexpr):
+def _bucketize(y, bnd, BITS: tl.constexpr):
+    """Lloyd–Max codes of y against the boundaries bnd (:func:`_table16`)."""
     code = tl.zeros(y.shape, tl.int32)
     for i in tl.static_range((1 << BITS) - 1):
-        code += (y > tl.load(tab_ptr + BND + i)).to(tl.int32)
+        code += (y > bnd[i]).to(tl.int32)
     return code
 
 
@@ -204,6 +248,22 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
                  F1_BND: tl.constexpr, F1_CM: tl.constexpr):
     """Norm + rotation + Lloyd–Max codes of x rows (the codec's _encode_unit), after taking
     NOUT outlier channels out (the codec's _split_outliers)."""
+    # one rotation chunk (decode-size steps): R's loads are issued first, with the table's, so
+    # they overlap the rows' loads and reductions
+    PRE: tl.constexpr = BK == DP
+    if PRE:
+        r0 = _rot_chunk(rot_ptr, 0, D, BK, F0_START, F0_COUNT, F0_GP * F0_CPW)
+        if HAS_F1:
+            r1 = _rot_chunk(rot_ptr, 0, D, BK, F1_START, F1_COUNT, F1_GP * F1_CPW)
+        else:
+            r1 = r0
+    else:
+        r0 = 0.0
+        r1 = 0.0
+    bnd0 = _table16(tab_ptr + F0_BND, (1 << F0_BITS) - 1)
+    cen0 = _table16(tab_ptr + F0_LUT, (1 << F0_BITS) if FOLD else 0)
+    bnd1 = _table16(tab_ptr + F1_BND, (1 << F1_BITS) - 1 if HAS_F1 else 0)
+    cen1 = _table16(tab_ptr + F1_LUT, (1 << F1_BITS) if FOLD and HAS_F1 else 0)
     bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
     if NOUT > 0:
         oidx, oval = _split_outliers(x, h_ok, cache_ptr, base, off, D, DP, HB, OI_OFF, OV_OFF,
@@ -215,25 +275,25 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
         corr0 = tl.zeros([HB, F0_GP * F0_CPW], tl.float32)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
-    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, D, DP, BK, HB, F0_START, F0_COUNT,
-                F0_GP * F0_CPW, TF32X3, NOUT > 0)
-    code = _bucketize(y, tab_ptr, F0_BND, F0_BITS)
+    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, r0, D, DP, BK, HB, F0_START,
+                F0_COUNT, F0_GP * F0_CPW, TF32X3, NOUT > 0, PRE)
+    code = _bucketize(y, bnd0, F0_BITS)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0_OFF, F0_BITS, F0_W, F0_G, F0_GP,
                  F0_CPW, F0_CM)
     if FOLD:
-        ss = _centroid_ss(code, tab_ptr, F0_LUT, F0_BITS, F0_COUNT)
+        ss = _centroid_ss(code, cen0, F0_BITS, F0_COUNT)
     if HAS_F1:
         if NOUT > 0:
             corr1 = _outlier_rows(oidx, oval, rot_ptr, D, F1_START, F1_COUNT, F1_GP * F1_CPW)
         else:
             corr1 = tl.zeros([HB, F1_GP * F1_CPW], tl.float32)
-        y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, D, DP, BK, HB, F1_START,
-                     F1_COUNT, F1_GP * F1_CPW, TF32X3, NOUT > 0)
-        code1 = _bucketize(y1, tab_ptr, F1_BND, F1_BITS)
+        y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, r1, D, DP, BK, HB, F1_START,
+                     F1_COUNT, F1_GP * F1_CPW, TF32X3, NOUT > 0, PRE)
+        code1 = _bucketize(y1, bnd1, F1_BITS)
         _store_codes(code1, cache_ptr, base, off, h_ok, HB, BS, F1_OFF, F1_BITS, F1_W, F1_G,
                      F1_GP, F1_CPW, F1_CM)
         if FOLD:
-            ss += _centroid_ss(code1, tab_ptr, F1_LUT, F1_BITS, F1_COUNT)
+            ss += _centroid_ss(code1, cen1, F1_BITS, F1_COUNT)
     if FOLD:  # "nc": the page stores n / ‖ĉ‖ (tqattn.quant.paged)
         nrm = (nrm.to(tl.float64) / tl.sqrt(ss)).to(tl.float32)  # fp64: IEEE div and sqrt
     _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)

@@ -89,16 +89,6 @@ def test_store_tf32x3_rotation(name):
     assert (a != b).float().mean().item() < 1e-3
 
 
-def test_store_prefetch_is_checked():
-    from tqattn.kernels.store import store_kv_triton
-    codec = TQCodec("turboquant_k3v4_nc", 64)
-    cache = torch.zeros(paged.kv_cache_shape(1, 16, 1, codec), dtype=torch.uint8)
-    k = torch.randn(1, 1, 64)
-    with pytest.raises(ValueError, match="prefetch"):
-        store_kv_triton(codec, k, k, cache, torch.zeros(1, dtype=torch.long),
-                        prefetch=(torch.zeros(4, dtype=torch.int32),))
-
-
 def test_store_rotation_precision_is_checked():
     from tqattn.kernels.store import store_kv_triton
     codec = TQCodec("tq_k4v3", 64)

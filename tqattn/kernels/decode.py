@@ -634,13 +634,11 @@ def _num_sms(device) -> int:
 # 64.9). mma_store_warps: the warps of the store + query-rotation launch of a decode step
 # (None: the store's decode-size default). qrot_block: rows per program of the query rotation
 # (None: kernels/qrot.py's choice by row count). mma_maxnreg: the register cap of the
-# tensor-core kernel (None: decode_mma.MAXNREG for its prefetch mode). mma_store_prefetch: the
-# store + query-rotation launch brings the decode's block table and sequence lengths into L2.
+# tensor-core kernel (None: decode_mma.MAXNREG for its prefetch mode).
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
-            "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None,
-            "mma_store_prefetch": True}
+            "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -701,13 +699,6 @@ def _block_n(spec) -> int:
     return 128 if cost <= 300 else 64 if cost <= 420 else 32
 
 
-def _l2_prefetch(cfg, block_table, seq_lens) -> tuple:
-    """What the store's launch brings into L2 for the decode's prologue, which follows it."""
-    if not cfg["mma_store_prefetch"]:
-        return ()
-    return tuple(t for t in (block_table, seq_lens) if t.is_contiguous())
-
-
 def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num_splits, out,
                 return_lse, new_kv=None):
     """The tensor-core path (kernels/decode_mma.py): query rotation kernel (with the store of
@@ -724,8 +715,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         qk = store.store_kv_and_rotate_query(spec.codec, *new_kv[:2], kv_cache, new_kv[2], q,
                                              *decode_mma.query_rotation(spec, q.device, scale),
                                              launch_dependents=pdl,
-                                             num_warps=cfg["mma_store_warps"],
-                                             prefetch=_l2_prefetch(cfg, block_table, seq_lens))
+                                             num_warps=cfg["mma_store_warps"])
     # new_kv: each sequence's token at seq_len − 1 is stored by the rotation kernel
     early = True if new_kv is None else "except_last"
     prefetch = cfg["mma_prefetch"]

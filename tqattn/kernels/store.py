@@ -299,19 +299,6 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
     _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
 
 
-@triton.jit
-def _prefetch_l2(ptr, nbytes, part, parts):
-    """Part ``part`` of ``parts`` of the 128-byte lines of [ptr, ptr + nbytes) into L2 (GPU
-    only: inline PTX)."""
-    base = ptr.to(tl.pointer_type(tl.int8))
-    lines = tl.cdiv(nbytes, 128)
-    per = tl.cdiv(lines, parts)
-    for l0 in range(part * per, tl.minimum((part + 1) * per, lines), 256):
-        ln = tl.minimum(l0 + tl.arange(0, 256), lines - 1).to(tl.int64)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [base + ln * 128], dtype=tl.int32, is_pure=False, pack=1)
-
-
 QROT_BLOCK = tl.constexpr(qrot.FUSED_BLOCK)
 QROT_BLOCK_C = tl.constexpr(qrot.BLOCK_C)
 
@@ -340,8 +327,7 @@ def _store_kernel(
         V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
         PAD_OFF: tl.constexpr, PAD_N: tl.constexpr,
         q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, HAS_Q: tl.constexpr,
-        LAUNCH_DEPENDENTS: tl.constexpr, pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes,
-        HAS_PF: tl.constexpr):
+        LAUNCH_DEPENDENTS: tl.constexpr):
     # programs: [0, n_kv) keys and [n_kv, 2 n_kv) values of row block pid % n_kv; with HAS_Q,
     # then the query rotation's blocks (kernels/qrot.py), so a decode step stores and rotates
     # in one launch
@@ -351,13 +337,6 @@ def _store_kernel(
         if pid >= 2 * n_kv:
             qrot.rotate_block(q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, pid - 2 * n_kv, D,
                               QROT_BLOCK, QROT_BLOCK_C)
-    if HAS_PF:
-        # the value programs (the launch's shortest) bring the next kernel's first reads into
-        # L2: its prologue runs after this launch ends, so its memory round trips are the
-        # step's (the decode's block table and sequence lengths)
-        if (pid >= n_kv) & (pid < 2 * n_kv):
-            _prefetch_l2(pf0_ptr, pf0_bytes, pid - n_kv, n_kv)
-            _prefetch_l2(pf1_ptr, pf1_bytes, pid - n_kv, n_kv)
     if pid < 2 * n_kv:
         r = (pid % n_kv) * HB + tl.arange(0, HB)
         is_key = pid < n_kv
@@ -431,14 +410,12 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                     rows_per_program: int | None = None,
                     rotation_precision: str | None = None, block_k: int | None = None,
                     num_warps: int | None = None, query: tuple | None = None,
-                    launch_dependents: bool = False, prefetch: tuple = (),
-                    _allow_empty: bool = False) -> None:
+                    launch_dependents: bool = False, _allow_empty: bool = False) -> None:
     """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place.
 
     ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM; ``block_k`` (the
     rotation's K chunk, a power of two >= 16) and ``num_warps`` are tuning knobs. ``query``
-    and ``launch_dependents``: see :func:`store_kv_and_rotate_query`. ``prefetch``: up to two
-    contiguous CUDA tensors the next kernel reads first, brought into L2 by the launch.
+    and ``launch_dependents``: see :func:`store_kv_and_rotate_query`.
     ``rotation_precision``: "tf32x3" (three TF32 tensor-core dots, the default on CUDA) or
     "ieee" (fp32 FMA dots, the default elsewhere: the interpreter has no TF32).
     """
@@ -468,10 +445,6 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     if bk < 16 or bk & (bk - 1) or bk > dp:
         raise ValueError(f"block_k={block_k}: a power of two in [16, {dp}]")
     n_kv = max(triton.cdiv(rows, hb), 1)
-    if len(prefetch) > 2 or any(not (t.is_cuda and t.is_contiguous()) for t in prefetch):
-        raise ValueError("prefetch: up to two contiguous CUDA tensors")
-    pf = [(t, t.numel() * t.element_size()) for t in prefetch]
-    pf += [(rot, 0)] * (2 - len(pf))
     if query is None:
         q_args, n_q = (key, 0, rot, key, 1.0), 0
     else:
@@ -481,22 +454,18 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
         rows, HK=hk, HB=hb, BK=bk, TF32X3=rotation_precision == "tf32x3", num_warps=num_warps,
         **spec.meta, **dict(zip(("q_ptr", "NQ_ROWS", "qr_ptr", "qo_ptr", "q_scale"), q_args)),
-        HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents,
-        pf0_ptr=pf[0][0], pf0_bytes=pf[0][1], pf1_ptr=pf[1][0], pf1_bytes=pf[1][1],
-        HAS_PF=bool(prefetch))
+        HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents)
 
 
 def store_kv_and_rotate_query(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                               kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                               q: torch.Tensor, r: torch.Tensor, scale: float,
                               launch_dependents: bool = False,
-                              num_warps: int | None = None,
-                              prefetch: tuple = ()) -> torch.Tensor:
+                              num_warps: int | None = None) -> torch.Tensor:
     """:func:`store_kv_triton` and :func:`tqattn.kernels.qrot.rotate_query` (q, r, scale) in
-    one launch: the decode step's prologue. Returns the rotated query. prefetch: see
-    :func:`store_kv_triton` (the decode's block table and sequence lengths)."""
+    one launch: the decode step's prologue. Returns the rotated query."""
     q2, out = qrot.check_and_alloc(q, r)
     store_kv_triton(codec, key, value, kv_cache, slot_mapping,
                     query=(q2, q2.shape[0], r, out, float(scale)), num_warps=num_warps,
-                    launch_dependents=launch_dependents, prefetch=prefetch, _allow_empty=True)
+                    launch_dependents=launch_dependents, _allow_empty=True)
     return out.view(q.shape)

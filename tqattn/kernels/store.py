@@ -94,6 +94,7 @@ def _table16(ptr, N: tl.constexpr):
     is called: at the start of a program, so the loads overlap its first memory round trip
     instead of adding their own in the middle of its latency chain (a load written at its use
     is issued there, after the rotation)."""
+    tl.static_assert(N <= 16, "a code field of more than 4 bits")
     return (_scalar(ptr, 0, N), _scalar(ptr, 1, N), _scalar(ptr, 2, N), _scalar(ptr, 3, N),
             _scalar(ptr, 4, N), _scalar(ptr, 5, N), _scalar(ptr, 6, N), _scalar(ptr, 7, N),
             _scalar(ptr, 8, N), _scalar(ptr, 9, N), _scalar(ptr, 10, N), _scalar(ptr, 11, N),

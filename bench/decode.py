@@ -100,8 +100,9 @@ def _store_times(timer, codec, q, cache, bt, seq_lens, out, cfg) -> dict:
     kn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
     vn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
     slots = bt[:, -1].long() * BS + BS - 1
-    st = timer.graph_us(lambda: store_kv_triton(codec, kn, vn, cache, slots,
-                                                num_warps=cfg.get("mma_store_warps")))
+    st = timer.graph_us(lambda: store_kv_triton(
+        codec, kn, vn, cache, slots, num_warps=cfg.get("mma_store_warps"),
+        key_splits=cfg.get("mma_store_key_splits", 1)))
     step = timer.paired_us(
         lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out, **cfg),
         lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out,

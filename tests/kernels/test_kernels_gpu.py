@@ -117,8 +117,8 @@ def test_decode_mma_path_gpu():
     assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
-@pytest.mark.parametrize("mma", [True, False])
-def test_decode_with_new_kv_gpu(mma):
+@pytest.mark.parametrize("mma,key_splits", [(True, 1), (False, 1), (True, 2), (True, 4)])
+def test_decode_with_new_kv_gpu(mma, key_splits):
     """The step's new K/V handed to the decode (stored in the query rotation's launch on the
     tensor-core path): the same cache bytes and output as store, then decode — eager and
     replayed from a CUDA graph with new tokens."""
@@ -134,7 +134,8 @@ def test_decode_with_new_kv_gpu(mma):
     a, b = cache.clone(), cache.clone()
     store_kv_triton(codec, k, v, a, slots)
     want = decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)
-    got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), MMA=mma)
+    got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), MMA=mma,
+                                  mma_store_key_splits=key_splits)
     # the fused launch rotates the query in larger blocks than the standalone rotation kernel
     # (another summation order): a few fp16 query elements round the other way
     assert torch.equal(a, b) and rel_err(got, want) < 1e-4
@@ -142,7 +143,7 @@ def test_decode_with_new_kv_gpu(mma):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), out=out,
-                                MMA=mma)
+                                MMA=mma, mma_store_key_splits=key_splits)
     for _ in range(2):
         k.copy_(torch.randn_like(k))
         v.copy_(torch.randn_like(v))

@@ -75,6 +75,28 @@ def test_store_rotation_chunks(name, block_k):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_4bit_nc", "tq_k3v4_debias",
+                                  "tq_k3.5v3.5", "turboquant_k8v4"])
+@pytest.mark.parametrize("key_splits", [2, 4])
+def test_store_key_splits(name, key_splits):
+    """Key row blocks split over programs by rotated coordinates (presets where the split
+    applies and, falling back to one program, where it does not): the same bytes, twice in a
+    row (the parts' scratch is left at zero)."""
+    from tqattn.kernels.store import store_kv_triton
+    codec = TQCodec(name, 64)
+    hk, n, nb, bs = 3, 13, 3, 16
+    k, v = torch.randn(n, hk, 64) * 3, torch.randn(n, hk, 64)
+    k[2, 1, 7] = math.inf
+    slots = torch.randperm(nb * bs)[:n]
+    slots[[3, 12]] = -1
+    a, b = _store_both(codec, k, v, slots, nb, bs, hk, key_splits=key_splits)
+    assert torch.equal(a, b)
+    k2 = torch.randn(n, hk, 64)
+    paged.store_ref(codec, k2, v, a, slots)
+    store_kv_triton(codec, k2, v, b, slots, key_splits=key_splits)
+    assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "tq_k3.5v3.5", "tq_k3o4v3.5"])
 def test_store_tf32x3_rotation(name):
     """The GPU's rotation (hi/lo split, three dots; the interpreter computes each dot in fp32)

@@ -634,11 +634,13 @@ def _num_sms(device) -> int:
 # 64.9). mma_store_warps: the warps of the store + query-rotation launch of a decode step
 # (None: the store's decode-size default). qrot_block: rows per program of the query rotation
 # (None: kernels/qrot.py's choice by row count). mma_maxnreg: the register cap of the
-# tensor-core kernel (None: decode_mma.MAXNREG for its prefetch mode).
+# tensor-core kernel (None: decode_mma.MAXNREG for its prefetch mode). mma_store_key_splits:
+# programs per key row block in that launch (kernels/store.py key_splits; not yet measured).
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
-            "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None}
+            "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None,
+            "mma_store_key_splits": 1}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -715,7 +717,8 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         qk = store.store_kv_and_rotate_query(spec.codec, *new_kv[:2], kv_cache, new_kv[2], q,
                                              *decode_mma.query_rotation(spec, q.device, scale),
                                              launch_dependents=pdl,
-                                             num_warps=cfg["mma_store_warps"])
+                                             num_warps=cfg["mma_store_warps"],
+                                             key_splits=cfg["mma_store_key_splits"])
     # new_kv: each sequence's token at seq_len − 1 is stored by the rotation kernel
     early = True if new_kv is None else "except_last"
     prefetch = cfg["mma_prefetch"]

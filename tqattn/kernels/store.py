@@ -59,8 +59,9 @@ def _fp8_e4m3(x):
 @triton.jit
 def _store_codes(code, cache_ptr, base, off, h_ok, HB: tl.constexpr, BS: tl.constexpr,
                  OFF: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
-                 GP: tl.constexpr, CPW: tl.constexpr, CM: tl.constexpr):
-    """Pack codes [HB, GP·CPW] (natural coordinate order) into the field's page plane."""
+                 GP: tl.constexpr, CPW: tl.constexpr, CM: tl.constexpr, g0=0, NG: tl.constexpr = 0):
+    """Pack codes [HB, GP·CPW] (natural coordinate order) into the field's page plane; with
+    NG > 0, codes of the field's words [g0, g0 + NG) only (a key split's part)."""
     if CPW == 1:
         word = code
     else:
@@ -73,7 +74,11 @@ def _store_codes(code, cache_ptr, base, off, h_ok, HB: tl.constexpr, BS: tl.cons
             bits = c << (i * BITS)
         word = tl.sum(bits, axis=2)
     g = tl.arange(0, GP)[None, :]
-    m = h_ok[:, None] & (g < G)
+    if NG > 0:
+        m = h_ok[:, None] & (g < NG)
+        g = g + g0
+    else:
+        m = h_ok[:, None] & (g < G)
     ptr = _tl.row_ptr(cache_ptr, base, off, OFF, G, CM) + (g * BS if CM else g)
     for s in tl.static_range(W):
         tl.store(ptr + s * BS * G, ((word >> (8 * s)) & 255).to(tl.uint8), mask=m)
@@ -300,6 +305,47 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
     _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
 
 
+@triton.jit
+def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
+                     part, rb, ss_ptr, cnt_ptr, D: tl.constexpr, DP: tl.constexpr,
+                     HB: tl.constexpr, TF32X3: tl.constexpr, BS: tl.constexpr,
+                     N_OFF: tl.constexpr, FOLD: tl.constexpr, OFF: tl.constexpr,
+                     BITS: tl.constexpr, W: tl.constexpr, G: tl.constexpr, CPW: tl.constexpr,
+                     START: tl.constexpr, LUT: tl.constexpr, BND: tl.constexpr,
+                     CM: tl.constexpr, KS: tl.constexpr):
+    """Part ``part`` of KS of a single-field key's encoding (no outliers): the rotated
+    coordinates of words [part·G/KS, (part+1)·G/KS) and their codes. Every part computes the
+    row norm; with FOLD the parts' Σĉ² meet in ``ss_ptr`` (fp64 atomics) and the last part of
+    the row block to finish (``cnt_ptr``) writes the folded norm and resets both."""
+    NG: tl.constexpr = G // KS
+    PC: tl.constexpr = NG * CPW
+    kk = tl.arange(0, DP)
+    j = tl.arange(0, PC)
+    rp = tl.load(rot_ptr + kk[:, None] * D + (START + part * PC) + j[None, :],
+                 mask=(kk < D)[:, None], other=0.0)
+    bnd = _table16(tab_ptr + BND, (1 << BITS) - 1)
+    cen = _table16(tab_ptr + LUT, (1 << BITS) if FOLD else 0)
+    bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
+    nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
+    den = nrm + 1e-8
+    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, 0.0, rp, D, DP, DP, HB, 0, PC, PC,
+                TF32X3, False, True)
+    code = _bucketize(y, bnd, BITS)
+    _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, OFF, BITS, W, G, NG, CPW, CM,
+                 part * NG, NG)
+    if FOLD:
+        tl.atomic_add(ss_ptr + r, _centroid_ss(code, cen, BITS, PC), mask=ld_ok, sem="relaxed")
+        tl.debug_barrier()  # every thread's add before the counter's release
+        if tl.atomic_add(cnt_ptr + rb, 1, sem="acq_rel") == KS - 1:
+            ss = tl.atomic_add(ss_ptr + r, 0.0, mask=ld_ok, sem="acquire")
+            tl.store(ss_ptr + r, tl.zeros([HB], tl.float64), mask=ld_ok)
+            tl.store(cnt_ptr + rb, 0)
+            nrm = (nrm.to(tl.float64) / tl.sqrt(ss)).to(tl.float32)
+            _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
+    elif part == 0:
+        _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
+
+
 QROT_BLOCK = tl.constexpr(qrot.FUSED_BLOCK)
 QROT_BLOCK_C = tl.constexpr(qrot.BLOCK_C)
 
@@ -328,19 +374,22 @@ def _store_kernel(
         V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
         PAD_OFF: tl.constexpr, PAD_N: tl.constexpr,
         q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, HAS_Q: tl.constexpr,
-        LAUNCH_DEPENDENTS: tl.constexpr):
-    # programs: [0, n_kv) keys and [n_kv, 2 n_kv) values of row block pid % n_kv; with HAS_Q,
-    # then the query rotation's blocks (kernels/qrot.py), so a decode step stores and rotates
-    # in one launch
+        LAUNCH_DEPENDENTS: tl.constexpr, ss_ptr, cnt_ptr, KS: tl.constexpr):
+    # programs: [0, KS·n_kv) keys of row block pid // KS (part pid % KS of its coordinates),
+    # [KS·n_kv, (KS+1)·n_kv) values; with HAS_Q, then the query rotation's blocks
+    # (kernels/qrot.py), so a decode step stores and rotates in one launch
     pid = tl.program_id(0)
     n_kv = tl.maximum(tl.cdiv(N_ROWS, HB), 1)
+    n_k = KS * n_kv
     if HAS_Q:
-        if pid >= 2 * n_kv:
-            qrot.rotate_block(q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, pid - 2 * n_kv, D,
+        if pid >= n_k + n_kv:
+            qrot.rotate_block(q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, pid - n_k - n_kv, D,
                               QROT_BLOCK, QROT_BLOCK_C)
-    if pid < 2 * n_kv:
-        r = (pid % n_kv) * HB + tl.arange(0, HB)
-        is_key = pid < n_kv
+    if pid < n_k + n_kv:
+        is_key = pid < n_k
+        rb = tl.where(is_key, pid // KS, pid - n_k)
+        part = pid % KS
+        r = rb * HB + tl.arange(0, HB)
         n = r // HK
         h = r % HK
         # rows are loaded as they exist (ld_ok), so the input loads do not wait for the slot
@@ -362,6 +411,11 @@ def _store_kernel(
                 tl.store(_tl.row_ptr(cache_ptr, base, off, K0_OFF, K0_G, K0_CM)
                          + (d[None, :] * BS if K0_CM else d[None, :]),
                          _fp8_e4m3(x).to(tl.uint8), mask=h_ok[:, None] & (d < D)[None, :])
+            elif KS > 1:
+                _encode_key_part(k_ptr, k_rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
+                                 tab_ptr, part, rb, ss_ptr, cnt_ptr, D, DP, HB, TF32X3, BS,
+                                 KN_OFF, K_CORR == 1, K0_OFF, K0_BITS, K0_W, K0_G, K0_CPW,
+                                 K0_START, K0_LUT, K0_BND, K0_CM, KS)
             else:
                 _encode_unit(k_ptr, k_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                              D, DP, BK, HB, TF32X3, BS, KN_OFF, K_CORR == 1, K_NOUT, K_NOUTP,
@@ -391,7 +445,7 @@ def _store_kernel(
                 _tl.store_fp16(cache_ptr, base, off, vmin, h_ok, VZ_OFF)
         if PAD_N > 0:
             tl.store(cache_ptr + base + PAD_OFF + off, tl.zeros([HB], tl.uint8),
-                     mask=h_ok & is_key)
+                     mask=h_ok & is_key & (part == 0))
     # the decode kernel (a programmatic dependent) may launch once every program got here:
     # triggered at the start instead, its waiting programs took the SM slots its one-wave
     # split count assumes (B = 128, 16K: +75 µs)
@@ -411,12 +465,16 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                     rows_per_program: int | None = None,
                     rotation_precision: str | None = None, block_k: int | None = None,
                     num_warps: int | None = None, query: tuple | None = None,
-                    launch_dependents: bool = False, _allow_empty: bool = False) -> None:
+                    launch_dependents: bool = False, key_splits: int = 1,
+                    _allow_empty: bool = False) -> None:
     """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place.
 
     ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM; ``block_k`` (the
     rotation's K chunk, a power of two >= 16) and ``num_warps`` are tuning knobs. ``query``
-    and ``launch_dependents``: see :func:`store_kv_and_rotate_query`.
+    and ``launch_dependents``: see :func:`store_kv_and_rotate_query`. ``key_splits`` (1, 2, 4):
+    programs per key row block, each rotating and coding a part of its coordinates (a shorter
+    latency chain for decode-size steps; single-field keys without outliers, rotation in one
+    chunk; else 1).
     ``rotation_precision``: "tf32x3" (three TF32 tensor-core dots, the default on CUDA) or
     "ieee" (fp32 FMA dots, the default elsewhere: the interpreter has no TF32).
     """
@@ -446,27 +504,55 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     if bk < 16 or bk & (bk - 1) or bk > dp:
         raise ValueError(f"block_k={block_k}: a power of two in [16, {dp}]")
     n_kv = max(triton.cdiv(rows, hb), 1)
+    if key_splits not in (1, 2, 4):
+        raise ValueError(f"key_splits={key_splits}: 1, 2 or 4")
+    m = spec.meta
+    g = m["K0_G"]
+    ks = key_splits if (m["K0_BITS"] > 0 and not m["K_FP8"] and m["K_NOUT"] == 0
+                        and not m["HAS_K1"] and bk == dp and g % key_splits == 0
+                        and (g // key_splits) & (g // key_splits - 1) == 0) else 1
+    ss_buf, cnt_buf = _split_scratch(key.device, rows if ks > 1 else 1, n_kv if ks > 1 else 1)
     if query is None:
         q_args, n_q = (key, 0, rot, key, 1.0), 0
     else:
         q_args, n_q = query, qrot.num_blocks(query[0].shape[0], d, qrot.FUSED_BLOCK)
-    _store_kernel[(2 * n_kv + n_q,)](
+    _store_kernel[((ks + 1) * n_kv + n_q,)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
         rows, HK=hk, HB=hb, BK=bk, TF32X3=rotation_precision == "tf32x3", num_warps=num_warps,
         **spec.meta, **dict(zip(("q_ptr", "NQ_ROWS", "qr_ptr", "qo_ptr", "q_scale"), q_args)),
-        HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents)
+        HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents, ss_ptr=ss_buf,
+        cnt_ptr=cnt_buf, KS=ks)
+
+
+_SCRATCH: dict = {}
+
+
+def _split_scratch(device, rows: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 Σĉ² per row and int32 counters per row block for key splits: zero between launches
+    (the last part of each block resets its own); one pair per device, grown by replacement
+    (replaced buffers stay alive for captured graphs). Launches on different streams must not
+    run concurrently."""
+    key = str(device)
+    bufs = _SCRATCH.setdefault(key, [])
+    if not bufs or bufs[-1][0].numel() < rows or bufs[-1][1].numel() < blocks:
+        n = max(rows, 2 * bufs[-1][0].numel() if bufs else 4096)
+        bufs.append((torch.zeros(n, dtype=torch.float64, device=device),
+                     torch.zeros(max(blocks, n // 16), dtype=torch.int32, device=device)))
+    return bufs[-1]
 
 
 def store_kv_and_rotate_query(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                               kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                               q: torch.Tensor, r: torch.Tensor, scale: float,
                               launch_dependents: bool = False,
-                              num_warps: int | None = None) -> torch.Tensor:
+                              num_warps: int | None = None,
+                              key_splits: int = 1) -> torch.Tensor:
     """:func:`store_kv_triton` and :func:`tqattn.kernels.qrot.rotate_query` (q, r, scale) in
     one launch: the decode step's prologue. Returns the rotated query."""
     q2, out = qrot.check_and_alloc(q, r)
     store_kv_triton(codec, key, value, kv_cache, slot_mapping,
                     query=(q2, q2.shape[0], r, out, float(scale)), num_warps=num_warps,
-                    launch_dependents=launch_dependents, _allow_empty=True)
+                    launch_dependents=launch_dependents, key_splits=key_splits,
+                    _allow_empty=True)
     return out.view(q.shape)

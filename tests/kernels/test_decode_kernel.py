@@ -5,6 +5,7 @@ Small tiles (BLOCK_N=16) and several splits so that every program walks several 
 """
 
 import math
+import types
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from tests.kernels import conftest
 from tests.kernels._util import filled_cache, rel_err
 from tqattn.quant import paged
 from tqattn.quant.codec import TQCodec
+from tqattn.quant.rotation import haar_rotation
 
 pytestmark = pytest.mark.skipif(not (conftest.INTERPRET and conftest.KERNELS_IMPORTED),
                                 reason="CPU interpreter tests (GPU runs test_kernels_gpu.py)")
@@ -149,3 +151,44 @@ def test_mma_dispatch_plumbing(monkeypatch):
     slots = torch.tensor([int(bt[0, 39 // 16]) * 16 + 39 % 16, int(bt[1, 0]) * 16 + 8])
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, new_kv=(k, v, slots))
     assert calls[-1][-1] == {"early_loads": "except_last", "maxnreg": None}
+
+
+def test_mma_fused_query_rotation(monkeypatch):
+    """mma_qrot: the tensor-core kernel gets the raw query and the scale (its Walsh–Hadamard
+    rotation's twin, decode_mma.fused_query_ref, equals the rotation kernel's reference up to
+    fp16 rounding); with new K/V the store runs alone before it. Bad prefetch modes fail."""
+    from tqattn.kernels import decode, decode_mma
+    from tqattn.kernels._spec import kernel_spec
+    from tqattn.kernels.qrot import rotate_query_ref
+    codec = TQCodec("turboquant_k3v4_nc", 128)
+    spec = kernel_spec(codec, 16)
+    assert decode_mma.fused_rotation_supported(spec)
+    _, r, sgn = decode_mma._tables(spec, "cpu")
+    q = torch.randn(64, 128, dtype=torch.bfloat16) * 3
+    got, want = decode_mma.fused_query_ref(q, sgn, 0.7), rotate_query_ref(q, r, 0.7)
+    assert got.dtype == torch.float16 and rel_err(got.float(), want.float()) < 1e-3
+    assert (got != want).float().mean() < 0.01   # single fp16 roundings, not a wrong column
+    # a non-Hadamard rotation (Haar) cannot be rotated this way
+    haar = types.SimpleNamespace(key_fields=spec.key_fields, table=spec.table,
+                                 codec=types.SimpleNamespace(rotation=haar_rotation(128)))
+    assert not decode_mma.fused_rotation_supported(haar)
+
+    calls, stores = [], []
+    monkeypatch.setattr(decode_mma, "supported", lambda spec, q, group, plain: plain)
+    monkeypatch.setattr(decode_mma, "programs_per_sm", lambda *a, **kw: 7)
+    monkeypatch.setattr(decode_mma, "launch", lambda *a, **kw: calls.append(a + (kw,)))
+    monkeypatch.setattr(decode_mma, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(decode.store, "store_kv_triton", lambda *a, **kw: stores.append(kw))
+    cache, bt, seq_lens = filled_cache(codec, [40, 9], 2, 16)
+    q = torch.randn(2, 8, 128, dtype=torch.bfloat16)
+    decode.decode_attention_triton(codec, q, cache, bt, seq_lens, scale=0.5, mma_qrot=True)
+    qk, pdl, kw = calls[-1][1], calls[-1][12], calls[-1][-1]
+    assert qk is q and pdl is False and kw["qscale"] == pytest.approx(0.5 * math.log2(math.e))
+    k, v = torch.randn(2, 2, 2, 128)
+    decode.decode_attention_triton(codec, q, cache, bt, seq_lens, mma_qrot=True,
+                                   new_kv=(k, v, torch.tensor([3, 20])))
+    assert calls[-1][1] is q and calls[-1][12] is True
+    assert calls[-1][-1]["early_loads"] == "except_last" and stores[-1]["launch_dependents"]
+    with pytest.raises(ValueError, match="prefetch="):
+        decode_mma._args(spec, q, cache, bt, seq_lens, None, None, None, None, 4, 1, "bogus",
+                         False, True, None)

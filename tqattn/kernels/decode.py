@@ -631,16 +631,19 @@ def _num_sms(device) -> int:
 # mma_prefetch: the words of the next tile in flight (8 programs per SM instead of 12) won at
 # every shape measured, B = 1-128, 4K-64K (bench/results/decode_tune_s7_prefetch_h200_prelim.md,
 # decode_tune_s7_2_prefetch_h200_prelim.md: B = 1 at 64K 56.8 vs 71.6 µs, B = 8 at 16K 60.4 vs
-# 64.9). mma_store_warps: the warps of the store + query-rotation launch of a decode step
+# 64.9); "pipeline": software-pipelined (decode_mma.MAXNREG). mma_store_warps: the warps of the store + query-rotation launch of a decode step
 # (None: the store's decode-size default). qrot_block: rows per program of the query rotation
 # (None: kernels/qrot.py's choice by row count). mma_maxnreg: the register cap of the
 # tensor-core kernel (None: decode_mma.MAXNREG for its prefetch mode). mma_store_key_splits:
 # programs per key row block in that launch (kernels/store.py key_splits; not yet measured).
+# mma_qrot: the decode kernel rotates the query itself (a Walsh–Hadamard transform in each
+# program, decode_mma._fused_query) instead of the rotation kernel / the store launch's query
+# programs.
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
             "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None,
-            "mma_store_key_splits": 1}
+            "mma_store_key_splits": 1, "mma_qrot": False}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -711,7 +714,17 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     pdl = cfg["mma_pdl"]
     if pdl is None:  # the decode kernel starts during the rotation kernel (sm_90+)
         pdl = decode_mma.pdl_supported(q.device)
-    if new_kv is None:
+    qscale = None
+    if cfg["mma_qrot"] and decode_mma.fused_rotation_supported(spec):
+        qscale = decode_mma.query_rotation(spec, q.device, scale)[1]
+        qk = q if q.stride(-1) == 1 else q.contiguous()
+        if new_kv is None:
+            pdl = False  # no kernel of this call before the decode
+        else:
+            store.store_kv_triton(spec.codec, *new_kv[:2], kv_cache, new_kv[2],
+                                  num_warps=cfg["mma_store_warps"], launch_dependents=pdl,
+                                  key_splits=cfg["mma_store_key_splits"])
+    elif new_kv is None:
         qk = decode_mma.rotated_query(spec, q, scale, pdl, cfg["qrot_block"])
     else:
         qk = store.store_kv_and_rotate_query(spec.codec, *new_kv[:2], kv_cache, new_kv[2], q,
@@ -728,7 +741,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         # took 84 µs at B = 8, 16K; 12: 67 µs)
         per_sm = cfg["mma_programs_per_sm"] or decode_mma.programs_per_sm(
             spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early,
-            cfg["mma_maxnreg"])
+            cfg["mma_maxnreg"], **({"qscale": qscale} if qscale is not None else {}))
         num_splits = max(1, min(64, per_sm * _num_sms(q.device) // (batch * hk)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -736,7 +749,8 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
     decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                      num_splits, prefetch, pdl, early_loads=early, maxnreg=cfg["mma_maxnreg"])
+                      num_splits, prefetch, pdl, early_loads=early, maxnreg=cfg["mma_maxnreg"],
+                      **({"qscale": qscale} if qscale is not None else {}))
     return (out, lse) if return_lse else out
 
 

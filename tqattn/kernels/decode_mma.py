@@ -45,6 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from . import _asm, qrot
+from ..quant.rotation import hadamard
 
 TILE = gl.constexpr(64)
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
@@ -56,8 +57,66 @@ _PAIR = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0]))  # 16 by
 _ML = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))     # [8 heads, 128] merge
 _LSE = gl.constexpr(gl.BlockedLayout([1, 2], [1, 32], [1, 1], [1, 0]))    # [8 heads, 64 splits]
 MAX_SPLITS = gl.constexpr(64)
+_QL = gl.constexpr(gl.BlockedLayout([32, 1], [4, 8], [1, 1], [0, 1]))    # [128, 8] query: 32 k each
 _ROWS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
 _HEADS = gl.constexpr(gl.SliceLayout(0, _MMA.value))
+
+
+@gluon.jit
+def _wht_stage(x, B: gl.constexpr):
+    """One butterfly of the Walsh–Hadamard transform over bit log2(B) of axis 0 of [128, 8]
+    (the pairs must be in-thread: B ≤ 16 in _QL)."""
+    u, v = gl.split(gl.permute(gl.reshape(x, [128 // (2 * B), 2, B, 8]), [0, 2, 3, 1]))
+    return gl.reshape(gl.permute(gl.join(u + v, u - v), [0, 3, 1, 2]), [128, 8])
+
+
+@gluon.jit
+def _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale):
+    """QROT: the query operand Qᵀ [128, 8] computed here from the raw query: R = diag(s)·H/√128
+    with its columns in operand order (a bit permutation σ of the column index, so R[:, σ] =
+    P_σ·diag(s_σ)·H/√128): load q[σ(k)]·s[σ(k)]/√128 (sgn_ptr), Walsh–Hadamard transform in
+    fp32 (bits 0-4 in-thread; bits 5, 6 after one regrouping), times qscale, fp16 — the math
+    of :func:`fused_query_ref`."""
+    k = gl.arange(0, 128, layout=gl.SliceLayout(1, _QL))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, _QL))
+    sk = (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
+    rows = gl.convert_layout(q_rows, gl.SliceLayout(0, _QL))
+    ok = gl.convert_layout(hmask, gl.SliceLayout(0, _QL))
+    x = gl.load(q_ptr + rows[None, :] + sk[:, None], mask=ok[None, :], other=0.0)
+    x = x.to(gl.float32) * gl.load(sgn_ptr + k)[:, None]
+    x = _wht_stage(x, 1)
+    x = _wht_stage(x, 2)
+    x = _wht_stage(x, 4)
+    x = _wht_stage(x, 8)
+    x = _wht_stage(x, 16)
+    # bits 5, 6 of k into each thread: k' = 4 (k % 32) + k // 32
+    x = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(x, [4, 32, 8]), [1, 0, 2]),
+                                     [128, 8]), _QL)
+    x = _wht_stage(x, 1)
+    x = _wht_stage(x, 2)
+    x = gl.reshape(gl.permute(gl.reshape(x, [32, 4, 8]), [1, 0, 2]), [128, 8])
+    return gl.convert_layout(x * qscale, _OP_B).to(gl.float16)
+
+
+def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float) -> torch.Tensor:
+    """PyTorch twin of :func:`_fused_query` for q (rows, 128): the same permuted load and the
+    same butterflies, in the same order → fp16 (rows, 128), equal to
+    ``qrot.rotate_query_ref(q, R[:, σ], scale)`` up to fp32 rounding."""
+    k = torch.arange(128, device=q.device)
+    sk = (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
+    x = (q.float()[:, sk] * sgn.to(q.device)).T.contiguous()          # [128, rows] as [k, n]
+    rows = x.shape[1]
+
+    def stage(x, b):
+        y = x.reshape(128 // (2 * b), 2, b, rows)
+        return torch.stack([y[:, 0] + y[:, 1], y[:, 0] - y[:, 1]], 1).reshape(128, rows)
+
+    for b in (1, 2, 4, 8, 16):
+        x = stage(x, b)
+    x = x.reshape(4, 32, rows).permute(1, 0, 2).reshape(128, rows)
+    x = stage(stage(x, 1), 2)
+    x = x.reshape(32, 4, rows).permute(1, 0, 2).reshape(128, rows)
+    return (x * scale).to(torch.float16).T.contiguous()
 
 
 @gluon.jit
@@ -195,33 +254,52 @@ def _pages(t, seq_len, bt_row, lane, BS: gl.constexpr):
 
 
 @gluon.jit
+def _key_words(t, kpage, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr):
+    """The lane's 12 key words of tile t (kpage: its key-row page, :func:`_pages`)."""
+    tg = t * TILE + 8 * (lane // 4)
+    kb = (page0 + kpage.to(gl.int64) * sc_b + K_OFF + (lane % 4) * BS + (tg % BS)).to(
+        gl.pointer_type(gl.int64))
+    return (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
+            gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
+            gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
+            gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
+            gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
+
+
+@gluon.jit
+def _value_words(t, vpage, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr):
+    """The lane's 16 value words of tile t (vpage: its value-row page, :func:`_pages`)."""
+    tt = t * TILE + 16 * (lane % 4)
+    vb = (page0 + vpage.to(gl.int64) * sc_b + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(
+        gl.pointer_type(gl.int64))
+    return (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
+            gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
+            gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
+            gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
+            gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
+
+
+@gluon.jit
+def _scalar_words(t, kpage, page0, lane, sc_b, BS: gl.constexpr, OFF: gl.constexpr):
+    """The lane's 8 fp16 scalars of one role in tile t (tokens 8g..8g+7, on the key-row
+    page): 16 contiguous bytes (offsets are multiples of 16) as two int64 words."""
+    tg = t * TILE + 8 * (lane // 4)
+    sp = page0 + kpage.to(gl.int64) * sc_b + 2 * (tg % BS) + OFF
+    return _load16(sp.to(gl.pointer_type(gl.int64)))
+
+
+@gluon.jit
 def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
                KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
                VZ_OFF: gl.constexpr):
     """The lane's raw words of tile t (pages: :func:`_pages` of t): 12 key words, 16 value
     words, 3 × 2 words of fp16 scalars. Pages hold >= 16 tokens and tiles start at page
     boundaries, so each lane reads one page per role."""
-    tg = t * TILE + 8 * (lane // 4)
-    tt = t * TILE + 16 * (lane % 4)
-    pg = page0 + pages[0].to(gl.int64) * sc_b
-    pv = page0 + pages[1].to(gl.int64) * sc_b
-    kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
-    vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
-    sp = pg + 2 * (tg % BS)
-    kw = (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
-          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
-          gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
-          gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
-          gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
-    vw = (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
-          gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
-          gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
-          gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
-          gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
-    # the lane's 8 scalars of a role are 16 contiguous bytes (offsets are multiples of 16)
-    sp = sp.to(gl.pointer_type(gl.int64))
-    sc = (_load16(sp + KN_OFF // 8), _load16(sp + VS_OFF // 8),
-          _load16(sp + VZ_OFF // 8))
+    kw = _key_words(t, pages[0], page0, lane, sc_b, BS, K_OFF)
+    vw = _value_words(t, pages[1], page0, lane, sc_b, BS, V_OFF)
+    sc = (_scalar_words(t, pages[0], page0, lane, sc_b, BS, KN_OFF),
+          _scalar_words(t, pages[0], page0, lane, sc_b, BS, VS_OFF),
+          _scalar_words(t, pages[0], page0, lane, sc_b, BS, VZ_OFF))
     return kw, vw, sc
 
 
@@ -233,20 +311,15 @@ def _lane_sums(x):
 
 
 @gluon.jit
-def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.constexpr):
-    """One 64-token tile from its raw words: scores, online softmax (rescaled only when a
-    head's running max grows by more than 8 in log2 units, so p ≤ 256), P·V. MASKED: the
-    sequence's last, partial tile."""
-    kn = _row_scalars(sc[0])
-    vs = _row_scalars(sc[1])
-    vz = _row_scalars(sc[2])
-    s = mma_v2(_key_operand(kw, tab), qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
-    s = s * kn
-    if MASKED:
-        ok = (t * TILE + tau < seq_len)[:, None]
-        s = gl.where(ok, s, float("-inf"))
-        vs = gl.where(ok, vs, 0.0)
-        vz = gl.where(ok, vz, 0.0)
+def _scores(kw, kn, qb, tab):
+    """Sᵀ [64 tokens, 8 heads] of one tile (kn: the key norms in the score layout)."""
+    return mma_v2(_key_operand(kw, tab), qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA)) * kn
+
+
+@gluon.jit
+def _rescale(s, m_i, l_p, z_p, acc):
+    """The running max after scores s; the state is rescaled only when a head's max grows by
+    more than 8 (log2 units), so p ≤ 256."""
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     if gl.max(m_new - m_i, axis=0) > 8.0:
         alpha = gl.exp2(m_i - m_new)
@@ -256,12 +329,56 @@ def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.c
         l_p = l_p * a2
         z_p = z_p * a2
         m_i = m_new
+    return m_i, l_p, z_p, acc
+
+
+@gluon.jit
+def _pv(s, vw, vs, vz, m_i, l_p, z_p, acc):
+    """p = 2^(s − m), its row sums (plain and times the zero points) and P·V into acc."""
     p = gl.exp2(s - m_i[None, :])
     l_p = l_p + _lane_sums(p)
     z_p = z_p + _lane_sums(p * vz)
     pb = gl.convert_layout((p * vs).to(gl.float16), _OP_B)
-    acc = mma_v2(_value_operand(vw), pb, acc)
+    return l_p, z_p, mma_v2(_value_operand(vw), pb, acc)
+
+
+@gluon.jit
+def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.constexpr):
+    """One 64-token tile from its raw words: scores, online softmax, P·V. MASKED: the
+    sequence's last, partial tile."""
+    kn = _row_scalars(sc[0])
+    vs = _row_scalars(sc[1])
+    vz = _row_scalars(sc[2])
+    s = _scores(kw, kn, qb, tab)
+    if MASKED:
+        ok = (t * TILE + tau < seq_len)[:, None]
+        s = gl.where(ok, s, float("-inf"))
+        vs = gl.where(ok, vs, 0.0)
+        vz = gl.where(ok, vz, 0.0)
+    m_i, l_p, z_p, acc = _rescale(s, m_i, l_p, z_p, acc)
+    l_p, z_p, acc = _pv(s, vw, vs, vz, m_i, l_p, z_p, acc)
     return m_i, l_p, z_p, acc
+
+
+@gluon.jit
+def _tile_scores(kw, knw, t, seq_len, qb, tab, tau, MASKED: gl.constexpr):
+    """PIPELINE: the scores of tile t from its key words and key-norm words."""
+    s = _scores(kw, _row_scalars(knw), qb, tab)
+    if MASKED:
+        s = gl.where((t * TILE + tau < seq_len)[:, None], s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _tile_pv(s, vw, vsz, t, seq_len, m_i, l_p, z_p, acc, tau, MASKED: gl.constexpr):
+    """PIPELINE: P·V of tile t from its scores s, value words and scale / zero-point words."""
+    vs = _row_scalars(vsz[0])
+    vz = _row_scalars(vsz[1])
+    if MASKED:
+        ok = (t * TILE + tau < seq_len)[:, None]
+        vs = gl.where(ok, vs, 0.0)
+        vz = gl.where(ok, vz, 0.0)
+    return _pv(s, vw, vs, vz, m_i, l_p, z_p, acc)
 
 
 @gluon.jit
@@ -322,11 +439,12 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s
                               "NUM_SPLITS"])
 def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr,
                        po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, tab_ptr,
-                       out_ptr, so_r, so_h, lse_ptr, sl_r, count_ptr, NUM_SPLITS,
+                       out_ptr, so_r, so_h, lse_ptr, sl_r, count_ptr, NUM_SPLITS, sgn_ptr, qscale,
                        GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
-                       WRITE_LSE: gl.constexpr, PDL: gl.constexpr, RELOAD_LAST: gl.constexpr):
+                       PIPELINE: gl.constexpr, WRITE_LSE: gl.constexpr, PDL: gl.constexpr,
+                       RELOAD_LAST: gl.constexpr, QROT: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HK
@@ -357,6 +475,11 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
                             BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
     pages = _pages(t0 + 1, seq_len, bt_row, lane, BS)
+    kq = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
+    hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
+    q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
+    if QROT:  # the raw query: no kernel before this one writes it
+        qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale)
     if PDL:
         # launched as a programmatic dependent of the rotation kernel: everything above
         # overlaps its tail; the query (its output) is read only after the grid dependency
@@ -366,11 +489,10 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         if t0 == n_tiles - 1:
             kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane,
                                     sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-    # the rotated, scaled fp16 query (kernels/qrot.py, columns in operand order) as Qᵀ
-    kq = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
-    hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
-    q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
-    qb = gl.load(q_ptr + q_rows[None, :] + kq[:, None], mask=(hq < GROUP)[None, :], other=0.0)
+    if not QROT:
+        # the rotated, scaled fp16 query (kernels/qrot.py, columns in operand order) as Qᵀ
+        qb = gl.load(q_ptr + q_rows[None, :] + kq[:, None], mask=(hq < GROUP)[None, :],
+                     other=0.0)
 
     # a finite "-inf": the first tile always takes the rescale branch (alpha = 0)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
@@ -381,7 +503,50 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # loads its own, except the first (loaded before the wait: its tile is peeled)
     # (with the page indices one tile ahead here too, B = 32 at 16K measured 202 µs instead of
     # 176: bench/results/decode_s6_5_h200_prelim.md vs decode_tune_s6_3_h200_prelim.md)
-    if PREFETCH:
+    if PIPELINE:
+        # software pipeline: iteration t computes P·V of tile t and the scores of tile t+1,
+        # two independent dependency chains in one basic block (the rescale branch comes
+        # last); in flight meanwhile: the key words of t+2 and the value words of t+1
+        kw_n, kn_n = (_key_words(t0 + 1, pages[0], page0, lane, sc_b, BS, K_OFF),
+                      _scalar_words(t0 + 1, pages[0], page0, lane, sc_b, BS, KN_OFF))
+        vsz = (sc[1], sc[2])
+        if t0 < t_mid:
+            s = _tile_scores(kw, sc[0], t0, seq_len, qb, tab, tau, False)
+        elif t0 < t1:
+            s = _tile_scores(kw, sc[0], t0, seq_len, qb, tab, tau, True)
+        else:  # no tiles: the state stays empty
+            s = gl.full([TILE, 8], float("-inf"), gl.float32, layout=_MMA)
+        m_i, l_p, z_p, acc = _rescale(s, m_i, l_p, z_p, acc)
+        for t in range(t0, t_mid - 1):
+            pages_2 = _pages(t + 2, seq_len, bt_row, lane, BS)
+            kw_2, kn_2 = (_key_words(t + 2, pages_2[0], page0, lane, sc_b, BS, K_OFF),
+                          _scalar_words(t + 2, pages_2[0], page0, lane, sc_b, BS, KN_OFF))
+            vw_1, vsz_1 = _value_words(t + 1, pages[1], page0, lane, sc_b, BS, V_OFF), (
+                _scalar_words(t + 1, pages[0], page0, lane, sc_b, BS, VS_OFF),
+                _scalar_words(t + 1, pages[0], page0, lane, sc_b, BS, VZ_OFF))
+            s_n = _tile_scores(kw_n, kn_n, t + 1, seq_len, qb, tab, tau, False)
+            l_p, z_p, acc = _tile_pv(s, vw, vsz, t, seq_len, m_i, l_p, z_p, acc, tau, False)
+            m_i, l_p, z_p, acc = _rescale(s_n, m_i, l_p, z_p, acc)
+            s = s_n
+            kw_n, kn_n, vw, vsz, pages = kw_2, kn_2, vw_1, vsz_1, pages_2
+        # here s, vw: tile max(t0, t_mid − 1); kw_n, pages: the tile after it
+        if t0 < t_mid:
+            if t_mid < t1:  # the partial last tile follows
+                vw_1, vsz_1 = _value_words(t_mid, pages[1], page0, lane, sc_b, BS, V_OFF), (
+                    _scalar_words(t_mid, pages[0], page0, lane, sc_b, BS, VS_OFF),
+                    _scalar_words(t_mid, pages[0], page0, lane, sc_b, BS, VZ_OFF))
+                s_n = _tile_scores(kw_n, kn_n, t_mid, seq_len, qb, tab, tau, True)
+                l_p, z_p, acc = _tile_pv(s, vw, vsz, t_mid - 1, seq_len, m_i, l_p, z_p, acc,
+                                         tau, False)
+                m_i, l_p, z_p, acc = _rescale(s_n, m_i, l_p, z_p, acc)
+                l_p, z_p, acc = _tile_pv(s_n, vw_1, vsz_1, t_mid, seq_len, m_i, l_p, z_p, acc,
+                                         tau, True)
+            else:
+                l_p, z_p, acc = _tile_pv(s, vw, vsz, t_mid - 1, seq_len, m_i, l_p, z_p, acc,
+                                         tau, False)
+        elif t_mid < t1:
+            l_p, z_p, acc = _tile_pv(s, vw, vsz, t0, seq_len, m_i, l_p, z_p, acc, tau, True)
+    elif PREFETCH:
         for t in range(t0, t_mid):
             kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane, BS),
                                           page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
@@ -442,21 +607,28 @@ def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
 
 
 def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
-          prefetch, pdl, early, maxnreg):
+          prefetch, pdl, early, maxnreg, qscale=None):
+    if prefetch not in PREFETCH_MODES:
+        raise ValueError(f"prefetch={prefetch!r}: expected one of {PREFETCH_MODES}")
     m = spec.meta
     kf = spec.key_fields[0]
     groups = seq_lens.numel() * kv_cache.shape[1]
+    tables = _tables(spec, qk.device)
+    if qscale is not None and tables[2] is None:
+        raise ValueError("qscale: the kernel rotates the query itself only for R = diag(s)·H/√128")
     lse_arg = lse if lse is not None else plse
     args = (qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
             block_table, block_table.stride(0), seq_lens, part, part.stride(0), part.stride(1),
-            part.stride(2), plse, plse.stride(0), plse.stride(1), _tables(spec, qk.device)[0],
+            part.stride(2), plse, plse.stride(0), plse.stride(1), tables[0],
             out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
-            _counters(qk.device, groups), num_splits)
+            _counters(qk.device, groups), num_splits,
+            tables[2] if qscale is not None else tables[0], float(qscale or 0.0))
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
-                VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch, WRITE_LSE=lse is not None, PDL=pdl,
-                RELOAD_LAST=pdl and EARLY_LOADS[early], launch_pdl=pdl, num_warps=1,
-                maxnreg=maxnreg or MAXNREG[bool(prefetch)])
+                VZ_OFF=m["VZ_OFF"], PREFETCH=bool(prefetch), PIPELINE=prefetch == "pipeline",
+                WRITE_LSE=lse is not None, PDL=pdl, RELOAD_LAST=pdl and EARLY_LOADS[early],
+                QROT=qscale is not None, launch_pdl=pdl, num_warps=1,
+                maxnreg=maxnreg or MAXNREG[prefetch])
     return args, meta
 
 
@@ -464,30 +636,35 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
 # sequence's token at seq_len − 1: decode steps with new_kv)
 EARLY_LOADS = {True: False, "except_last": True}
 
-# register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
-# SM without prefetch (161 registers), 8 with the prefetched words of the next tile (198)
-MAXNREG = {False: 168, True: 216}
+# prefetch modes: False (each tile loads its own words), True (the words of tile t+1 in flight
+# during tile t), "pipeline" (software-pipelined: P·V of tile t next to the scores of tile t+1).
+# Register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
+# SM without prefetch (161 registers), 8 with the prefetched words of the next tile (198) and
+# 8 pipelined (up to 255 keeps two one-warp programs per 16K-register bank)
+MAXNREG = {False: 168, True: 216, "pipeline": 255}
+PREFETCH_MODES = tuple(MAXNREG)
 _RESIDENT: dict = {}
 
 
-def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool,
-                    pdl: bool, early_loads: bool | str, maxnreg: int | None = None) -> int:
+def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool | str,
+                    pdl: bool, early_loads: bool | str, maxnreg: int | None = None,
+                    qscale: float | None = None) -> int:
     """One-warp programs an SM holds at once, from the register count of the kernel variant
     that :func:`launch` runs with these flags (the split count fills one wave of them)."""
     key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, maxnreg, qk.dtype,
-           str(qk.device))
+           str(qk.device), qscale is not None)
     if key not in _RESIDENT:
         part = torch.empty(*qk.shape[:2], 16, qk.shape[2], device=qk.device)
         plse = torch.empty(*qk.shape[:2], 16, device=qk.device)
         out = torch.empty(qk.shape, dtype=torch.bfloat16, device=qk.device)
         args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, None,
-                           group, 16, prefetch, pdl, early_loads, maxnreg)
+                           group, 16, prefetch, pdl, early_loads, maxnreg, qscale)
         kernel = _decode_mma_kernel.warmup(*args, grid=(1, 1), **meta)
         try:
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
             regs = -(-int(kernel.n_regs) // 8) * 8
         except (AttributeError, TypeError):  # another triton: the sm_90 build's count
-            regs = MAXNREG[bool(prefetch)]
+            regs = MAXNREG[prefetch]
         # an SM's 64K registers are four 16K banks, one per scheduler, each holding whole
         # warps: 144-168 registers fit 3 one-warp programs per bank, not 65536 / (32·regs)
         _RESIDENT[key] = 4 * max(1, min(16, 16384 // (32 * regs)))
@@ -514,9 +691,12 @@ def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False,
 
 
 def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
-           num_splits: int, prefetch: bool = True, pdl: bool = False,
-           early_loads: bool | str = True, maxnreg: int | None = None) -> None:
-    """qk: :func:`rotated_query`; part/plse: split scratch; out (rows, Hq, D) and lse (rows, Hq)
+           num_splits: int, prefetch: bool | str = True, pdl: bool = False,
+           early_loads: bool | str = True, maxnreg: int | None = None,
+           qscale: float | None = None) -> None:
+    """qk: :func:`rotated_query`, or with ``qscale`` (the softmax scale times log2(e)) the raw
+    query, which the kernel rotates itself (QROT, :func:`fused_rotation_supported`; pdl then
+    refers to the kernel before it, e.g. the store of the step's new K/V); part/plse: split scratch; out (rows, Hq, D) and lse (rows, Hq)
     or None receive the merged result. pdl: launch as a programmatic dependent of the kernel
     before it in the stream, which must be the query rotation (the kernel overlaps its prologue
     with that kernel and waits for its completion before reading ``qk``; work before the
@@ -529,7 +709,7 @@ def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, grou
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits}: the tensor-core kernel merges 1..{MAX_SPLITS}")
     args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                       num_splits, prefetch, pdl, early_loads, maxnreg)
+                       num_splits, prefetch, pdl, early_loads, maxnreg, qscale)
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
 
 
@@ -551,17 +731,28 @@ def _counters(device, n: int) -> torch.Tensor:
 _TABLES: dict = {}
 
 
-def _tables(spec, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables(spec, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """On device, cached per spec: the key codebook as the 4 int32 prmt table words, one copy
     per lane [32, 4]; the rotation fp32 with its columns in operand order (column κ = column
-    c(κ) of R)."""
+    c(κ) of R); for QROT the signs s[σ(k)]/√128 when R = diag(s)·H/√128 (every head size 128
+    rotation of quant/rotation.py), else None."""
     key = (id(spec), str(device))
     if key not in _TABLES:
         kf = spec.key_fields[0]
         words = _asm.lut3_table_words(spec.table[kf.lut:kf.lut + 8].tolist())
         k = torch.arange(128)
         coord = 8 * (((k >> 1) & 3) + 4 * ((k >> 5) & 3)) + 2 * ((k >> 3) & 3) + (k & 1)
-        rot = spec.codec.rotation.float().cpu()[:, coord].contiguous()
+        r = spec.codec.rotation.float().cpu()
+        rot = r[:, coord].contiguous()
+        sgn = None
+        s = torch.sign(r[:, 0])
+        if torch.equal(r, (s[:, None].double() * hadamard(128)).float()):
+            sgn = (s[coord] / 128 ** 0.5).float().to(device)
         _TABLES[key] = (torch.tensor([words] * 32, dtype=torch.int32, device=device),
-                        rot.to(device))
+                        rot.to(device), sgn)
     return _TABLES[key]
+
+
+def fused_rotation_supported(spec) -> bool:
+    """Whether the kernel can rotate the query itself (QROT; see :func:`_fused_query`)."""
+    return _tables(spec, "cpu")[2] is not None

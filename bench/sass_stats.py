@@ -82,7 +82,7 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
     return kernel, {**cex, "num_warps": num_warps}
 
 
-def compile_mma(prefetch: bool | str, group: int = 4, block_size: int = 16,
+def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
                 reload_last: bool = False, qrot: bool = False):
     """Compile kernels/decode_mma.py's kernel for sm_90 (turboquant_k3v4_nc, head size 128) as
     the dispatch launches it (1 warp, the register cap of its prefetch mode)."""
@@ -94,8 +94,8 @@ def compile_mma(prefetch: bool | str, group: int = 4, block_size: int = 16,
     fn = decode_mma._decode_mma_kernel
     cex = dict(GROUP=group, HK=8, BS=block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
                V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
-               PREFETCH=bool(prefetch), PIPELINE=prefetch == "pipeline", WRITE_LSE=False,
-               PDL=True, RELOAD_LAST=reload_last, QROT=qrot)
+               PREFETCH=prefetch, WRITE_LSE=False, PDL=True, RELOAD_LAST=reload_last,
+               QROT=qrot)
     ptrs = {"q_ptr": "*bf16" if qrot else "*fp16", "sgn_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
             "po_ptr": "*fp32", "plse_ptr": "*fp32", "tab_ptr": "*i32", "out_ptr": "*bf16",
             "lse_ptr": "*fp32", "count_ptr": "*i32"}
@@ -184,16 +184,13 @@ def main():
     ap.add_argument("--mma", action="store_true",
                     help="the Gluon tensor-core kernel (turboquant_k3v4_nc) instead")
     ap.add_argument("--prefetch", action="store_true", help="--mma: the prefetching variant")
-    ap.add_argument("--pipeline", action="store_true",
-                    help="--mma: the software-pipelined variant (prefetch mode 'pipeline')")
     ap.add_argument("--qrot", action="store_true",
                     help="--mma: the variant that rotates the raw query itself")
     ap.add_argument("--reload-last", action="store_true",
                     help="--mma: the variant of decode steps that store new K/V")
     args = ap.parse_args()
     if args.mma:
-        mode = "pipeline" if args.pipeline else args.prefetch
-        kernel, cex = compile_mma(mode, args.group, reload_last=args.reload_last,
+        kernel, cex = compile_mma(args.prefetch, args.group, reload_last=args.reload_last,
                                   qrot=args.qrot)
         st = loop_stats(*disassemble(kernel.asm["cubin"]))
         res = resources(kernel.asm["cubin"])
@@ -201,7 +198,7 @@ def main():
                   warp_instr_per_token=st["loop_instructions"] / cex["BLOCK_N"])
         top = ", ".join(f"{k} {v}" for k, v in list(st["loop_opcodes"].items())[:args.top])
         print(json.dumps(st, indent=1) if args.json else
-              f"decode_mma prefetch={mode}: loop={st['loop_instructions']} per 64 tokens "
+              f"decode_mma prefetch={args.prefetch}: loop={st['loop_instructions']} per 64 tokens "
               f"-> {st['warp_instr_per_token']:.1f} warp instr/token, spill ops "
               f"{st['spill_ops']}, {res['reg']} regs -> {st['programs_per_sm']} programs/SM\n"
               f"    {top}")

@@ -117,33 +117,32 @@ def test_decode_mma_path_gpu():
     assert counters and all(int(c.abs().sum()) == 0 for c in counters)
 
 
-@pytest.mark.parametrize("variant", [{"mma_prefetch": "pipeline"}, {"mma_qrot": True},
-                                     {"mma_prefetch": "pipeline", "mma_qrot": True}])
+@pytest.mark.parametrize("variant", [{"mma_qrot": True},
+                                     {"mma_qrot": True, "mma_prefetch": False}])
 @pytest.mark.parametrize("bs", [16, 64])
-def test_decode_mma_variants_gpu(bs, variant):
-    """The software-pipelined loop (prefetch mode "pipeline": its peeled first and last tiles —
-    a split of one partial tile, of full tiles only, of full tiles and the partial one, empty
-    splits, sequences of 0 and 1 tokens) and the query rotated inside the kernel (mma_qrot)."""
+def test_decode_mma_qrot_gpu(bs, variant):
+    """The query rotated inside the tensor-core kernel (mma_qrot): splits of one partial tile,
+    of full tiles only, of full tiles and the partial one, empty splits, sequences of 0 and 1
+    tokens; and against the rotation kernel's query."""
     lens = [63, 64, 65, 128, 129, 191, 5000, 1, 0]
     for splits in (None, 1, 3, 40):
         _decode_case("turboquant_k3v4_nc", 128, 2, 7, bs, lens,
                      tune={**variant, "num_splits": splits})
-    if variant.get("mma_qrot"):
-        # against the rotation kernel's query: only fp16 roundings of the query differ
-        from tqattn.kernels.decode import decode_attention_triton
-        codec = _codec("turboquant_k3v4_nc", 128)
-        cache, bt, seq_lens = filled_cache(codec, [3000, 17, 900], 4, bs, device=DEV)
-        for dtype in (torch.bfloat16, torch.float16):
-            q = torch.randn(3, 32, 128, device=DEV, dtype=dtype)
-            want = decode_attention_triton(codec, q, cache, bt, seq_lens)
-            got = decode_attention_triton(codec, q, cache, bt, seq_lens, **variant)
-            assert rel_err(got, want) < 2e-3
+    # against the rotation kernel's query: only fp16 roundings of the query differ
+    from tqattn.kernels.decode import decode_attention_triton
+    codec = _codec("turboquant_k3v4_nc", 128)
+    cache, bt, seq_lens = filled_cache(codec, [3000, 17, 900], 4, bs, device=DEV)
+    for dtype in (torch.bfloat16, torch.float16):
+        q = torch.randn(3, 32, 128, device=DEV, dtype=dtype)
+        want = decode_attention_triton(codec, q, cache, bt, seq_lens)
+        got = decode_attention_triton(codec, q, cache, bt, seq_lens, **variant)
+        assert rel_err(got, want) < 2e-3
 
 
-@pytest.mark.parametrize("mma,key_splits,prefetch,qrot", [
-    (True, 1, True, False), (False, 1, True, False), (True, 2, True, False),
-    (True, 4, True, False), (True, 1, "pipeline", False), (True, 1, True, True)])
-def test_decode_with_new_kv_gpu(mma, key_splits, prefetch, qrot):
+@pytest.mark.parametrize("mma,key_splits,qrot", [
+    (True, 1, False), (False, 1, False), (True, 2, False), (True, 4, False), (True, 1, True),
+    (True, 2, True)])
+def test_decode_with_new_kv_gpu(mma, key_splits, qrot):
     """The step's new K/V handed to the decode (stored in the query rotation's launch on the
     tensor-core path): the same cache bytes and output as store, then decode — eager and
     replayed from a CUDA graph with new tokens."""
@@ -160,8 +159,7 @@ def test_decode_with_new_kv_gpu(mma, key_splits, prefetch, qrot):
     store_kv_triton(codec, k, v, a, slots)
     want = decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)
     got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), MMA=mma,
-                                  mma_store_key_splits=key_splits, mma_prefetch=prefetch,
-                                  mma_qrot=qrot)
+                                  mma_store_key_splits=key_splits, mma_qrot=qrot)
     # the fused launch rotates the query in larger blocks than the standalone rotation kernel
     # (another summation order): a few fp16 query elements round the other way
     tol = 1e-3 if qrot else 1e-4   # qrot: the query rotated by another method
@@ -170,8 +168,7 @@ def test_decode_with_new_kv_gpu(mma, key_splits, prefetch, qrot):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), out=out,
-                                MMA=mma, mma_store_key_splits=key_splits, mma_prefetch=prefetch,
-                                mma_qrot=qrot)
+                                MMA=mma, mma_store_key_splits=key_splits, mma_qrot=qrot)
     for _ in range(2):
         k.copy_(torch.randn_like(k))
         v.copy_(torch.randn_like(v))
@@ -194,10 +191,10 @@ def test_decode_long_split_gpu(name):
     q = torch.randn(2, 8, 128, device=DEV, dtype=torch.bfloat16)
     ref = paged.decode_attention_ref(codec, q, cache, bt, seq_lens)
     for splits in (1, 7):
-        for mma, prefetch in ((True, True), (True, "pipeline"), (False, True)):
+        for mma in (True, False):
             out = decode_attention_triton(codec, q, cache, bt, seq_lens, num_splits=splits,
-                                          MMA=mma, mma_prefetch=prefetch)
-            assert rel_err(out, ref) < 1e-2, (splits, mma, prefetch)
+                                          MMA=mma)
+            assert rel_err(out, ref) < 1e-2, (splits, mma)
 
 
 @pytest.mark.parametrize("d", [64, 80, 96, 192, 256])

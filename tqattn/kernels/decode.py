@@ -631,7 +631,7 @@ def _num_sms(device) -> int:
 # mma_prefetch: the words of the next tile in flight (8 programs per SM instead of 12) won at
 # every shape measured, B = 1-128, 4K-64K (bench/results/decode_tune_s7_prefetch_h200_prelim.md,
 # decode_tune_s7_2_prefetch_h200_prelim.md: B = 1 at 64K 56.8 vs 71.6 µs, B = 8 at 16K 60.4 vs
-# 64.9); "pipeline": software-pipelined (decode_mma.MAXNREG). mma_store_warps: the warps of the store + query-rotation launch of a decode step
+# 64.9). mma_store_warps: the warps of the store + query-rotation launch of a decode step
 # (None: the store's decode-size default). qrot_block: rows per program of the query rotation
 # (None: kernels/qrot.py's choice by row count). mma_maxnreg: the register cap of the
 # tensor-core kernel (None: decode_mma.MAXNREG for its prefetch mode). mma_store_key_splits:

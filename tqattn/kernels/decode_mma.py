@@ -254,52 +254,33 @@ def _pages(t, seq_len, bt_row, lane, BS: gl.constexpr):
 
 
 @gluon.jit
-def _key_words(t, kpage, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr):
-    """The lane's 12 key words of tile t (kpage: its key-row page, :func:`_pages`)."""
-    tg = t * TILE + 8 * (lane // 4)
-    kb = (page0 + kpage.to(gl.int64) * sc_b + K_OFF + (lane % 4) * BS + (tg % BS)).to(
-        gl.pointer_type(gl.int64))
-    return (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
-            gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
-            gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
-            gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
-            gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
-
-
-@gluon.jit
-def _value_words(t, vpage, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr):
-    """The lane's 16 value words of tile t (vpage: its value-row page, :func:`_pages`)."""
-    tt = t * TILE + 16 * (lane % 4)
-    vb = (page0 + vpage.to(gl.int64) * sc_b + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(
-        gl.pointer_type(gl.int64))
-    return (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
-            gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
-            gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
-            gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
-            gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
-
-
-@gluon.jit
-def _scalar_words(t, kpage, page0, lane, sc_b, BS: gl.constexpr, OFF: gl.constexpr):
-    """The lane's 8 fp16 scalars of one role in tile t (tokens 8g..8g+7, on the key-row
-    page): 16 contiguous bytes (offsets are multiples of 16) as two int64 words."""
-    tg = t * TILE + 8 * (lane // 4)
-    sp = page0 + kpage.to(gl.int64) * sc_b + 2 * (tg % BS) + OFF
-    return _load16(sp.to(gl.pointer_type(gl.int64)))
-
-
-@gluon.jit
 def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
                KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
                VZ_OFF: gl.constexpr):
     """The lane's raw words of tile t (pages: :func:`_pages` of t): 12 key words, 16 value
     words, 3 × 2 words of fp16 scalars. Pages hold >= 16 tokens and tiles start at page
     boundaries, so each lane reads one page per role."""
-    kw = _key_words(t, pages[0], page0, lane, sc_b, BS, K_OFF)
-    vw = _value_words(t, pages[1], page0, lane, sc_b, BS, V_OFF)
-    sc = (_scalar_words(t, pages[0], page0, lane, sc_b, BS, KN_OFF),
-          _scalar_words(t, pages[0], page0, lane, sc_b, BS, VS_OFF),
-          _scalar_words(t, pages[0], page0, lane, sc_b, BS, VZ_OFF))
+    tg = t * TILE + 8 * (lane // 4)
+    tt = t * TILE + 16 * (lane % 4)
+    pg = page0 + pages[0].to(gl.int64) * sc_b
+    pv = page0 + pages[1].to(gl.int64) * sc_b
+    kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
+    vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
+    sp = pg + 2 * (tg % BS)
+    kw = (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
+          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
+          gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
+          gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
+          gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
+    vw = (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
+          gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
+          gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
+          gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
+          gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
+    # the lane's 8 scalars of a role are 16 contiguous bytes (offsets are multiples of 16)
+    sp = sp.to(gl.pointer_type(gl.int64))
+    sc = (_load16(sp + KN_OFF // 8), _load16(sp + VS_OFF // 8),
+          _load16(sp + VZ_OFF // 8))
     return kw, vw, sc
 
 
@@ -311,15 +292,20 @@ def _lane_sums(x):
 
 
 @gluon.jit
-def _scores(kw, kn, qb, tab):
-    """Sᵀ [64 tokens, 8 heads] of one tile (kn: the key norms in the score layout)."""
-    return mma_v2(_key_operand(kw, tab), qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA)) * kn
-
-
-@gluon.jit
-def _rescale(s, m_i, l_p, z_p, acc):
-    """The running max after scores s; the state is rescaled only when a head's max grows by
-    more than 8 (log2 units), so p ≤ 256."""
+def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.constexpr):
+    """One 64-token tile from its raw words: scores, online softmax (rescaled only when a
+    head's running max grows by more than 8 in log2 units, so p ≤ 256), P·V. MASKED: the
+    sequence's last, partial tile."""
+    kn = _row_scalars(sc[0])
+    vs = _row_scalars(sc[1])
+    vz = _row_scalars(sc[2])
+    s = mma_v2(_key_operand(kw, tab), qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
+    s = s * kn
+    if MASKED:
+        ok = (t * TILE + tau < seq_len)[:, None]
+        s = gl.where(ok, s, float("-inf"))
+        vs = gl.where(ok, vs, 0.0)
+        vz = gl.where(ok, vz, 0.0)
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     if gl.max(m_new - m_i, axis=0) > 8.0:
         alpha = gl.exp2(m_i - m_new)
@@ -329,56 +315,12 @@ def _rescale(s, m_i, l_p, z_p, acc):
         l_p = l_p * a2
         z_p = z_p * a2
         m_i = m_new
-    return m_i, l_p, z_p, acc
-
-
-@gluon.jit
-def _pv(s, vw, vs, vz, m_i, l_p, z_p, acc):
-    """p = 2^(s − m), its row sums (plain and times the zero points) and P·V into acc."""
     p = gl.exp2(s - m_i[None, :])
     l_p = l_p + _lane_sums(p)
     z_p = z_p + _lane_sums(p * vz)
     pb = gl.convert_layout((p * vs).to(gl.float16), _OP_B)
-    return l_p, z_p, mma_v2(_value_operand(vw), pb, acc)
-
-
-@gluon.jit
-def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.constexpr):
-    """One 64-token tile from its raw words: scores, online softmax, P·V. MASKED: the
-    sequence's last, partial tile."""
-    kn = _row_scalars(sc[0])
-    vs = _row_scalars(sc[1])
-    vz = _row_scalars(sc[2])
-    s = _scores(kw, kn, qb, tab)
-    if MASKED:
-        ok = (t * TILE + tau < seq_len)[:, None]
-        s = gl.where(ok, s, float("-inf"))
-        vs = gl.where(ok, vs, 0.0)
-        vz = gl.where(ok, vz, 0.0)
-    m_i, l_p, z_p, acc = _rescale(s, m_i, l_p, z_p, acc)
-    l_p, z_p, acc = _pv(s, vw, vs, vz, m_i, l_p, z_p, acc)
+    acc = mma_v2(_value_operand(vw), pb, acc)
     return m_i, l_p, z_p, acc
-
-
-@gluon.jit
-def _tile_scores(kw, knw, t, seq_len, qb, tab, tau, MASKED: gl.constexpr):
-    """PIPELINE: the scores of tile t from its key words and key-norm words."""
-    s = _scores(kw, _row_scalars(knw), qb, tab)
-    if MASKED:
-        s = gl.where((t * TILE + tau < seq_len)[:, None], s, float("-inf"))
-    return s
-
-
-@gluon.jit
-def _tile_pv(s, vw, vsz, t, seq_len, m_i, l_p, z_p, acc, tau, MASKED: gl.constexpr):
-    """PIPELINE: P·V of tile t from its scores s, value words and scale / zero-point words."""
-    vs = _row_scalars(vsz[0])
-    vz = _row_scalars(vsz[1])
-    if MASKED:
-        ok = (t * TILE + tau < seq_len)[:, None]
-        vs = gl.where(ok, vs, 0.0)
-        vz = gl.where(ok, vz, 0.0)
-    return _pv(s, vw, vs, vz, m_i, l_p, z_p, acc)
 
 
 @gluon.jit
@@ -443,8 +385,8 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
-                       PIPELINE: gl.constexpr, WRITE_LSE: gl.constexpr, PDL: gl.constexpr,
-                       RELOAD_LAST: gl.constexpr, QROT: gl.constexpr):
+                       WRITE_LSE: gl.constexpr, PDL: gl.constexpr, RELOAD_LAST: gl.constexpr,
+                       QROT: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HK
@@ -503,50 +445,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # loads its own, except the first (loaded before the wait: its tile is peeled)
     # (with the page indices one tile ahead here too, B = 32 at 16K measured 202 µs instead of
     # 176: bench/results/decode_s6_5_h200_prelim.md vs decode_tune_s6_3_h200_prelim.md)
-    if PIPELINE:
-        # software pipeline: iteration t computes P·V of tile t and the scores of tile t+1,
-        # two independent dependency chains in one basic block (the rescale branch comes
-        # last); in flight meanwhile: the key words of t+2 and the value words of t+1
-        kw_n, kn_n = (_key_words(t0 + 1, pages[0], page0, lane, sc_b, BS, K_OFF),
-                      _scalar_words(t0 + 1, pages[0], page0, lane, sc_b, BS, KN_OFF))
-        vsz = (sc[1], sc[2])
-        if t0 < t_mid:
-            s = _tile_scores(kw, sc[0], t0, seq_len, qb, tab, tau, False)
-        elif t0 < t1:
-            s = _tile_scores(kw, sc[0], t0, seq_len, qb, tab, tau, True)
-        else:  # no tiles: the state stays empty
-            s = gl.full([TILE, 8], float("-inf"), gl.float32, layout=_MMA)
-        m_i, l_p, z_p, acc = _rescale(s, m_i, l_p, z_p, acc)
-        for t in range(t0, t_mid - 1):
-            pages_2 = _pages(t + 2, seq_len, bt_row, lane, BS)
-            kw_2, kn_2 = (_key_words(t + 2, pages_2[0], page0, lane, sc_b, BS, K_OFF),
-                          _scalar_words(t + 2, pages_2[0], page0, lane, sc_b, BS, KN_OFF))
-            vw_1, vsz_1 = _value_words(t + 1, pages[1], page0, lane, sc_b, BS, V_OFF), (
-                _scalar_words(t + 1, pages[0], page0, lane, sc_b, BS, VS_OFF),
-                _scalar_words(t + 1, pages[0], page0, lane, sc_b, BS, VZ_OFF))
-            s_n = _tile_scores(kw_n, kn_n, t + 1, seq_len, qb, tab, tau, False)
-            l_p, z_p, acc = _tile_pv(s, vw, vsz, t, seq_len, m_i, l_p, z_p, acc, tau, False)
-            m_i, l_p, z_p, acc = _rescale(s_n, m_i, l_p, z_p, acc)
-            s = s_n
-            kw_n, kn_n, vw, vsz, pages = kw_2, kn_2, vw_1, vsz_1, pages_2
-        # here s, vw: tile max(t0, t_mid − 1); kw_n, pages: the tile after it
-        if t0 < t_mid:
-            if t_mid < t1:  # the partial last tile follows
-                vw_1, vsz_1 = _value_words(t_mid, pages[1], page0, lane, sc_b, BS, V_OFF), (
-                    _scalar_words(t_mid, pages[0], page0, lane, sc_b, BS, VS_OFF),
-                    _scalar_words(t_mid, pages[0], page0, lane, sc_b, BS, VZ_OFF))
-                s_n = _tile_scores(kw_n, kn_n, t_mid, seq_len, qb, tab, tau, True)
-                l_p, z_p, acc = _tile_pv(s, vw, vsz, t_mid - 1, seq_len, m_i, l_p, z_p, acc,
-                                         tau, False)
-                m_i, l_p, z_p, acc = _rescale(s_n, m_i, l_p, z_p, acc)
-                l_p, z_p, acc = _tile_pv(s_n, vw_1, vsz_1, t_mid, seq_len, m_i, l_p, z_p, acc,
-                                         tau, True)
-            else:
-                l_p, z_p, acc = _tile_pv(s, vw, vsz, t_mid - 1, seq_len, m_i, l_p, z_p, acc,
-                                         tau, False)
-        elif t_mid < t1:
-            l_p, z_p, acc = _tile_pv(s, vw, vsz, t0, seq_len, m_i, l_p, z_p, acc, tau, True)
-    elif PREFETCH:
+    if PREFETCH:
         for t in range(t0, t_mid):
             kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane, BS),
                                           page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
@@ -608,8 +507,8 @@ def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
 
 def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
           prefetch, pdl, early, maxnreg, qscale=None):
-    if prefetch not in PREFETCH_MODES:
-        raise ValueError(f"prefetch={prefetch!r}: expected one of {PREFETCH_MODES}")
+    if prefetch not in (False, True):
+        raise ValueError(f"prefetch={prefetch!r}: expected True or False")
     m = spec.meta
     kf = spec.key_fields[0]
     groups = seq_lens.numel() * kv_cache.shape[1]
@@ -625,7 +524,7 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
             tables[2] if qscale is not None else tables[0], float(qscale or 0.0))
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
-                VZ_OFF=m["VZ_OFF"], PREFETCH=bool(prefetch), PIPELINE=prefetch == "pipeline",
+                VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch,
                 WRITE_LSE=lse is not None, PDL=pdl, RELOAD_LAST=pdl and EARLY_LOADS[early],
                 QROT=qscale is not None, launch_pdl=pdl, num_warps=1,
                 maxnreg=maxnreg or MAXNREG[prefetch])
@@ -636,17 +535,13 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
 # sequence's token at seq_len − 1: decode steps with new_kv)
 EARLY_LOADS = {True: False, "except_last": True}
 
-# prefetch modes: False (each tile loads its own words), True (the words of tile t+1 in flight
-# during tile t), "pipeline" (software-pipelined: P·V of tile t next to the scores of tile t+1).
-# Register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
-# SM without prefetch (161 registers), 8 with the prefetched words of the next tile (198) and
-# 8 pipelined (up to 255 keeps two one-warp programs per 16K-register bank)
-MAXNREG = {False: 168, True: 216, "pipeline": 255}
-PREFETCH_MODES = tuple(MAXNREG)
+# register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
+# SM without prefetch (161 registers), 8 with the prefetched words of the next tile (198)
+MAXNREG = {False: 168, True: 216}
 _RESIDENT: dict = {}
 
 
-def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool | str,
+def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool,
                     pdl: bool, early_loads: bool | str, maxnreg: int | None = None,
                     qscale: float | None = None) -> int:
     """One-warp programs an SM holds at once, from the register count of the kernel variant
@@ -691,7 +586,7 @@ def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False,
 
 
 def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
-           num_splits: int, prefetch: bool | str = True, pdl: bool = False,
+           num_splits: int, prefetch: bool = True, pdl: bool = False,
            early_loads: bool | str = True, maxnreg: int | None = None,
            qscale: float | None = None) -> None:
     """qk: :func:`rotated_query`, or with ``qscale`` (the softmax scale times log2(e)) the raw

@@ -58,3 +58,15 @@ def test_rotation_bad_size():
         rotation_matrix(1)
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard(80)
+
+
+def test_is_signed_hadamard():
+    from tqattn.quant.rotation import haar_rotation, is_signed_hadamard, rotation_matrix
+    for d in (16, 64, 128):
+        for signs in (True, False):
+            assert is_signed_hadamard(rotation_matrix(d, signs=signs, seed=3))
+    assert not is_signed_hadamard(rotation_matrix(80))
+    assert not is_signed_hadamard(haar_rotation(64))
+    r = rotation_matrix(64).clone()
+    r[5, 9] = -r[5, 9]
+    assert not is_signed_hadamard(r)

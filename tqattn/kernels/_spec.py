@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from ..quant.codec import TQCodec
 from ..quant.paged import column_major, field_words
+from ..quant.rotation import is_signed_hadamard
 
 
 def next_pow2(n: int) -> int:
@@ -134,6 +136,11 @@ class KernelSpec:
         self.table = torch.cat(tables) if tables else torch.zeros(1)
         self._dev: dict = {}
         self.asm_meta: dict = {}      # decode._asm_meta per "asm on" flag
+
+    @cached_property
+    def hadamard_rotation(self) -> bool:
+        """R = diag(s)·H/√D (quant.rotation.is_signed_hadamard): kernels may make it from s."""
+        return is_signed_hadamard(self.codec.rotation)
 
     def tables_on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(lookup/boundary table fp32, rotation fp32) on device, cached."""

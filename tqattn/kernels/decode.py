@@ -638,12 +638,13 @@ def _num_sms(device) -> int:
 # programs per key row block in that launch (kernels/store.py key_splits; not yet measured).
 # mma_qrot: the decode kernel rotates the query itself (a Walsh–Hadamard transform in each
 # program, decode_mma._fused_query) instead of the rotation kernel / the store launch's query
-# programs.
+# programs. mma_store_hadamard: that launch makes the rotation's values from R's first column
+# (kernels/store.py hadamard; None: its default).
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
             "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None,
-            "mma_store_key_splits": 1, "mma_qrot": False}
+            "mma_store_key_splits": 1, "mma_qrot": False, "mma_store_hadamard": None}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -723,7 +724,8 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         else:
             store.store_kv_triton(spec.codec, *new_kv[:2], kv_cache, new_kv[2],
                                   num_warps=cfg["mma_store_warps"], launch_dependents=pdl,
-                                  key_splits=cfg["mma_store_key_splits"])
+                                  key_splits=cfg["mma_store_key_splits"],
+                                  hadamard=cfg["mma_store_hadamard"])
     elif new_kv is None:
         qk = decode_mma.rotated_query(spec, q, scale, pdl, cfg["qrot_block"])
     else:
@@ -731,7 +733,8 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
                                              *decode_mma.query_rotation(spec, q.device, scale),
                                              launch_dependents=pdl,
                                              num_warps=cfg["mma_store_warps"],
-                                             key_splits=cfg["mma_store_key_splits"])
+                                             key_splits=cfg["mma_store_key_splits"],
+                                             hadamard=cfg["mma_store_hadamard"])
     # new_kv: each sequence's token at seq_len − 1 is stored by the rotation kernel
     early = True if new_kv is None else "except_last"
     prefetch = cfg["mma_prefetch"]

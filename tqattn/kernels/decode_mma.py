@@ -45,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from . import _asm, qrot
-from ..quant.rotation import hadamard
+from ..quant.rotation import is_signed_hadamard
 
 TILE = gl.constexpr(64)
 _MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
@@ -640,9 +640,8 @@ def _tables(spec, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | No
         r = spec.codec.rotation.float().cpu()
         rot = r[:, coord].contiguous()
         sgn = None
-        s = torch.sign(r[:, 0])
-        if torch.equal(r, (s[:, None].double() * hadamard(128)).float()):
-            sgn = (s[coord] / 128 ** 0.5).float().to(device)
+        if is_signed_hadamard(r):
+            sgn = (torch.sign(r[:, 0])[coord] / 128 ** 0.5).float().to(device)
         _TABLES[key] = (torch.tensor([words] * 32, dtype=torch.int32, device=device),
                         rot.to(device), sgn)
     return _TABLES[key]

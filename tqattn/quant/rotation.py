@@ -88,6 +88,17 @@ def rotation_matrix(dim: int, *, signs: bool = True, seed: int = 0,
     return _rotation64(dim, bool(signs), int(seed)).to(device=device, dtype=dtype)
 
 
+def is_signed_hadamard(r: torch.Tensor) -> bool:
+    """Whether r is diag(s)·H/√D (s = ±1) bit for bit in fp32 — what :func:`rotation_matrix`
+    builds for every power-of-two D. Kernels then make R (or apply it) from s alone."""
+    d = r.shape[0]
+    if r.dim() != 2 or r.shape != (d, d) or not is_power_of_two(d):
+        return False
+    r = r.detach().float().cpu()
+    s = torch.where(r[:, 0] < 0, -1.0, 1.0).double()
+    return bool(torch.equal(r, (s[:, None] * _sylvester(d)).float()))
+
+
 def haar_rotation(dim: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Haar-random orthogonal matrix (QR of a Gaussian) — the paper's rotation; used as a yardstick."""
     gen = torch.Generator().manual_seed(seed)

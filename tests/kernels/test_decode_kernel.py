@@ -122,13 +122,15 @@ def test_mma_dispatch_plumbing(monkeypatch):
     from tqattn.kernels.qrot import rotate_query_ref
     calls = []
     monkeypatch.setattr(decode_mma, "supported", lambda spec, q, group, plain: plain)
-    monkeypatch.setattr(decode_mma, "programs_per_sm", lambda *a: 7)
+    monkeypatch.setattr(decode_mma, "programs_per_sm", lambda *a, **kw: 7)
     monkeypatch.setattr(decode_mma, "launch", lambda *a, **kw: calls.append(a + (kw,)))
     monkeypatch.setattr(decode_mma, "pdl_supported", lambda device: False)  # as on sm_80
     codec = TQCodec("turboquant_k3v4_nc", 128)
     cache, bt, seq_lens = filled_cache(codec, [40, 9], 2, 16)
     q = torch.randn(2, 8, 128, dtype=torch.bfloat16)
-    out, lse = decode.decode_attention_triton(codec, q, cache, bt, seq_lens, return_lse=True)
+    # the rotation kernel's path (the default rotates in the decode kernel: mma_qrot below)
+    out, lse = decode.decode_attention_triton(codec, q, cache, bt, seq_lens, return_lse=True,
+                                              mma_qrot=False)
     (spec, qk, _, _, _, part, plse, o, l, group, splits, prefetch, pdl, kw), = calls
     assert o is out and l is lse and out.dtype == torch.bfloat16 and lse.shape == (2, 8)
     # 4 "SMs" on CPU; the words of the next tile are prefetched by default
@@ -139,7 +141,7 @@ def test_mma_dispatch_plumbing(monkeypatch):
     want = rotate_query_ref(q, r, 1.4426950408889634 / math.sqrt(128))
     assert qk.dtype == torch.float16 and rel_err(qk.float(), want.float()) < 1e-3
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, mma_prefetch=False,
-                                   num_splits=3, mma_maxnreg=168)
+                                   num_splits=3, mma_maxnreg=168, mma_qrot=False)
     assert calls[-1][-4:-1] == (3, False, False) and calls[-1][8] is None
     assert calls[-1][-1]["maxnreg"] == 168
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, window=8, num_splits=3,
@@ -181,7 +183,7 @@ def test_mma_fused_query_rotation(monkeypatch):
     monkeypatch.setattr(decode.store, "store_kv_triton", lambda *a, **kw: stores.append(kw))
     cache, bt, seq_lens = filled_cache(codec, [40, 9], 2, 16)
     q = torch.randn(2, 8, 128, dtype=torch.bfloat16)
-    decode.decode_attention_triton(codec, q, cache, bt, seq_lens, scale=0.5, mma_qrot=True)
+    decode.decode_attention_triton(codec, q, cache, bt, seq_lens, scale=0.5)   # the default
     qk, pdl, kw = calls[-1][1], calls[-1][12], calls[-1][-1]
     assert qk is q and pdl is False and kw["qscale"] == pytest.approx(0.5 * math.log2(math.e))
     k, v = torch.randn(2, 2, 2, 128)
@@ -189,6 +191,11 @@ def test_mma_fused_query_rotation(monkeypatch):
                                    new_kv=(k, v, torch.tensor([3, 20])))
     assert calls[-1][1] is q and calls[-1][12] is True
     assert calls[-1][-1]["early_loads"] == "except_last" and stores[-1]["launch_dependents"]
+    # by default a step with new K/V keeps the store + rotation launch
+    decode.decode_attention_triton(codec, q, cache, bt, seq_lens,
+                                   new_kv=(k, v, torch.tensor([3, 20])))
+    assert "qscale" not in calls[-1][-1] and calls[-1][1].dtype == torch.float16
+    assert "query" in stores[-1]   # the launch that stores and rotates
     with pytest.raises(ValueError, match="prefetch="):
         decode_mma._args(spec, q, cache, bt, seq_lens, None, None, None, None, 4, 1, "bogus",
                          False, True, None)

@@ -52,27 +52,6 @@ def test_store_gpu(name, d):
     assert int((~fin).sum()) >= 2 and bool(keep.any())
 
 
-@pytest.mark.parametrize("name,d", [("turboquant_k3v4_nc", 128), ("tq_k3v3", 64),
-                                    ("tq_k4v3", 256), ("turboquant_4bit_nc", 128)])
-def test_store_hadamard_gpu(name, d):
-    """R's values made in the kernel from its first column (popc parity): the same bytes as
-    with R loaded, at decode sizes (one chunk, key splits) and prefill sizes (K chunks)."""
-    from tqattn.kernels.store import store_kv_triton
-    codec = _codec(name, d)
-    for n, ks in ((32, 1), (32, 2), (2000, 1)):
-        hk, bs = 8, 16
-        nb = n // bs + 2
-        k = torch.randn(n, hk, d, device=DEV, dtype=torch.bfloat16) * 2
-        v = torch.randn(n, hk, d, device=DEV, dtype=torch.bfloat16)
-        slots = torch.randperm(nb * bs, device=DEV)[:n]
-        init = torch.randint(0, 256, paged.kv_cache_shape(nb, bs, hk, codec), dtype=torch.uint8,
-                             device=DEV)
-        a, b = init.clone(), init.clone()
-        store_kv_triton(codec, k, v, a, slots, key_splits=ks, hadamard=False)
-        store_kv_triton(codec, k, v, b, slots, key_splits=ks, hadamard=True)
-        assert torch.equal(a, b), (n, ks)
-
-
 def _decode_case(name, d, hk, group, bs, lens, dtype=torch.bfloat16, tune=None, **kw):
     from tqattn.kernels.decode import decode_attention_triton
     codec = _codec(name, d)
@@ -160,11 +139,10 @@ def test_decode_mma_qrot_gpu(bs, variant):
         assert rel_err(got, want) < 2e-3
 
 
-@pytest.mark.parametrize("mma,key_splits,qrot,had", [
-    (True, 1, False, False), (False, 1, False, False), (True, 2, False, False),
-    (True, 4, False, False), (True, 1, True, False), (True, 2, True, True),
-    (True, 1, False, True), (True, 2, False, True)])
-def test_decode_with_new_kv_gpu(mma, key_splits, qrot, had):
+@pytest.mark.parametrize("mma,key_splits,qrot", [
+    (True, 1, False), (False, 1, False), (True, 2, False), (True, 4, False), (True, 1, True),
+    (True, 2, True)])
+def test_decode_with_new_kv_gpu(mma, key_splits, qrot):
     """The step's new K/V handed to the decode (stored in the query rotation's launch on the
     tensor-core path): the same cache bytes and output as store, then decode — eager and
     replayed from a CUDA graph with new tokens."""
@@ -181,8 +159,7 @@ def test_decode_with_new_kv_gpu(mma, key_splits, qrot, had):
     store_kv_triton(codec, k, v, a, slots)
     want = decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)
     got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), MMA=mma,
-                                  mma_store_key_splits=key_splits, mma_qrot=qrot,
-                                  mma_store_hadamard=had)
+                                  mma_store_key_splits=key_splits, mma_qrot=qrot)
     # the fused launch rotates the query in larger blocks than the standalone rotation kernel
     # (another summation order): a few fp16 query elements round the other way
     tol = 1e-3 if qrot else 1e-4   # qrot: the query rotated by another method
@@ -191,8 +168,7 @@ def test_decode_with_new_kv_gpu(mma, key_splits, qrot, had):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), out=out,
-                                MMA=mma, mma_store_key_splits=key_splits, mma_qrot=qrot,
-                                mma_store_hadamard=had)
+                                MMA=mma, mma_store_key_splits=key_splits, mma_qrot=qrot)
     for _ in range(2):
         k.copy_(torch.randn_like(k))
         v.copy_(torch.randn_like(v))

@@ -97,22 +97,6 @@ def test_store_key_splits(name, key_splits):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name,d,key_splits", [
-    ("turboquant_k3v4_nc", 64, 1), ("turboquant_k3v4_nc", 64, 2), ("tq_k3v3", 64, 1),
-    ("tq_k3o4v3.5", 64, 1), ("tq_k4v3", 128, 4), ("turboquant_k3v4_nc", 80, 1)])
-def test_store_hadamard_rotation(name, d, key_splits):
-    """hadamard=True: R's values made in the kernel from its first column (power-of-two D;
-    D = 80 falls back to loading R) — the reference's bytes, as with R loaded."""
-    codec = TQCodec(name, d)
-    hk, n, nb, bs = 2, 7, 2, 16
-    k, v = torch.randn(n, hk, d) * 3, torch.randn(n, hk, d)
-    k[2, 1, 7] = math.inf
-    slots = torch.randperm(nb * bs)[:n]
-    slots[3] = -1
-    a, b = _store_both(codec, k, v, slots, nb, bs, hk, hadamard=True, key_splits=key_splits)
-    assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "tq_k3.5v3.5", "tq_k3o4v3.5"])
 def test_store_tf32x3_rotation(name):
     """The GPU's rotation (hi/lo split, three dots; the interpreter computes each dot in fp32)

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
 from ..quant.codec import TQCodec
 from ..quant.paged import column_major, field_words
-from ..quant.rotation import is_signed_hadamard
 
 
 def next_pow2(n: int) -> int:
@@ -137,11 +135,6 @@ class KernelSpec:
         self._dev: dict = {}
         self.asm_meta: dict = {}      # decode._asm_meta per "asm on" flag
 
-    @cached_property
-    def hadamard_rotation(self) -> bool:
-        """R = diag(s)·H/√D (quant.rotation.is_signed_hadamard): kernels may make it from s."""
-        return is_signed_hadamard(self.codec.rotation)
-
     def tables_on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(lookup/boundary table fp32, rotation fp32) on device, cached."""
         key = str(device)
@@ -159,6 +152,14 @@ def kernel_spec(codec: TQCodec, block_size: int) -> KernelSpec:
     if spec is None:
         spec = _SPECS[key] = KernelSpec(codec, block_size)
     return spec
+
+
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 stand-ins elsewhere: the interpreter)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 def default_scale(codec: TQCodec, scale: float | None) -> float:

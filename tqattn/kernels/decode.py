@@ -39,7 +39,7 @@ import triton.language as tl
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
 from . import _asm, _tl, store
-from ._spec import default_scale, kernel_spec, next_pow2
+from ._spec import default_scale, kernel_spec, next_pow2, num_sms
 
 try:  # Gluon (triton.experimental) tensor-core path; optional
     from . import decode_mma
@@ -615,12 +615,6 @@ def _merge_kernel(po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, out_ptr, 
                  tl.where(tot > 0.0, mx_use + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf")))
 
 
-def _num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 # BLOCK_N / num_warps None: picked per path by launch_config. Measured on the H200
 # (bench/results/decode_tune_s4_h200.md): 3-bit keys through inline asm are fastest at 64
 # tokens / 2 warps (~235 registers: 4 programs per SM), asm values with byte-wise keys at
@@ -635,16 +629,18 @@ def _num_sms(device) -> int:
 # (None: the store's decode-size default). qrot_block: rows per program of the query rotation
 # (None: kernels/qrot.py's choice by row count). mma_maxnreg: the register cap of the
 # tensor-core kernel (None: decode_mma.MAXNREG for its prefetch mode). mma_store_key_splits:
-# programs per key row block in that launch (kernels/store.py key_splits; not yet measured).
-# mma_qrot: the decode kernel rotates the query itself (a Walsh–Hadamard transform in each
-# program, decode_mma._fused_query) instead of the rotation kernel / the store launch's query
-# programs. mma_store_hadamard: that launch makes the rotation's values from R's first column
-# (kernels/store.py hadamard; None: its default).
+# programs per key row block in that launch (kernels/store.py key_splits; None: 2 while the
+# launch fits one wave). mma_qrot: the decode kernel rotates the query itself (a Walsh–Hadamard
+# transform in each program, decode_mma._fused_query) instead of a rotation launch; None: for
+# calls without new K/V (B = 32 at 16K 174.1 → 171.8 µs, 128x4K 176.6 → 170.4, 8x64K 178.7 →
+# 173.8: bench/results/decode_tune_s11_had_h200_prelim.md), while a step with new K/V keeps the
+# store + rotation launch (its step measured 2-3 µs shorter than the store alone followed by
+# the rotating decode: decode_tune_s11_pipe_h200_prelim.md).
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
             "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None,
-            "mma_store_key_splits": 1, "mma_qrot": False, "mma_store_hadamard": None}
+            "mma_store_key_splits": None, "mma_qrot": None}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -716,7 +712,8 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     if pdl is None:  # the decode kernel starts during the rotation kernel (sm_90+)
         pdl = decode_mma.pdl_supported(q.device)
     qscale = None
-    if cfg["mma_qrot"] and decode_mma.fused_rotation_supported(spec):
+    qrot_on = new_kv is None if cfg["mma_qrot"] is None else cfg["mma_qrot"]
+    if qrot_on and decode_mma.fused_rotation_supported(spec):
         qscale = decode_mma.query_rotation(spec, q.device, scale)[1]
         qk = q if q.stride(-1) == 1 else q.contiguous()
         if new_kv is None:
@@ -724,8 +721,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         else:
             store.store_kv_triton(spec.codec, *new_kv[:2], kv_cache, new_kv[2],
                                   num_warps=cfg["mma_store_warps"], launch_dependents=pdl,
-                                  key_splits=cfg["mma_store_key_splits"],
-                                  hadamard=cfg["mma_store_hadamard"])
+                                  key_splits=cfg["mma_store_key_splits"])
     elif new_kv is None:
         qk = decode_mma.rotated_query(spec, q, scale, pdl, cfg["qrot_block"])
     else:
@@ -733,8 +729,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
                                              *decode_mma.query_rotation(spec, q.device, scale),
                                              launch_dependents=pdl,
                                              num_warps=cfg["mma_store_warps"],
-                                             key_splits=cfg["mma_store_key_splits"],
-                                             hadamard=cfg["mma_store_hadamard"])
+                                             key_splits=cfg["mma_store_key_splits"])
     # new_kv: each sequence's token at seq_len − 1 is stored by the rotation kernel
     early = True if new_kv is None else "except_last"
     prefetch = cfg["mma_prefetch"]
@@ -745,7 +740,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         per_sm = cfg["mma_programs_per_sm"] or decode_mma.programs_per_sm(
             spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early,
             cfg["mma_maxnreg"], **({"qscale": qscale} if qscale is not None else {}))
-        num_splits = max(1, min(64, per_sm * _num_sms(q.device) // (batch * hk)))
+        num_splits = max(1, min(64, per_sm * num_sms(q.device) // (batch * hk)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
     if out is None:
@@ -810,7 +805,7 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     lut, rot = spec.tables_on(q.device)
     qk = q if spec.meta["K_FP8"] else (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
     if num_splits is None:
-        num_splits = max(1, min(64, triton.cdiv(cfg["target_programs"] * _num_sms(q.device),
+        num_splits = max(1, min(64, triton.cdiv(cfg["target_programs"] * num_sms(q.device),
                                                 batch * hk * row_blocks)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)

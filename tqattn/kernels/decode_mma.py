@@ -5,8 +5,11 @@ Fast path of :func:`tqattn.kernels.decode.decode_attention_triton` for 3-bit cen
 GQA groups of up to 8 query heads, one query row per sequence, no window / soft-cap. Math =
 :func:`tqattn.quant.paged.decode_attention_ref` (its twin; the inline asm does not run under
 triton's interpreter, so the comparison runs on the GPU: ``pytest -m gpu``). The query comes
-rotated and scaled from kernels/qrot.py; the last split of each (sequence, KV head) to finish
-merges the group's split outputs (the math of ``decode._merge_kernel``) into ``out``/``lse``.
+rotated and scaled from kernels/qrot.py (or the store launch of a decode step), or raw (QROT):
+each program then rotates it itself by a Walsh–Hadamard transform, since the head size 128
+rotation is diag(s)·H/√128 (:func:`_fused_query`, twin :func:`fused_query_ref`) — one launch
+less per call. The last split of each (sequence, KV head) to finish merges the group's split
+outputs (the math of ``decode._merge_kernel``) into ``out``/``lse``.
 
 Why a second kernel: the Triton kernel feeds ``tl.dot`` from blocked layouts, so every decoded
 tile makes a round trip through shared memory (plus barriers), and its ``[heads, tokens]`` dots

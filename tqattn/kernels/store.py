@@ -29,7 +29,7 @@ import triton.language as tl
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
 from . import _tl, qrot
-from ._spec import kernel_spec
+from ._spec import kernel_spec, num_sms
 
 
 @triton.jit
@@ -155,36 +155,20 @@ def _outlier_rows(oidx, oval, rot_ptr, D: tl.constexpr, START: tl.constexpr,
 
 
 @triton.jit
-def _rot_chunk(rot_ptr, k0, D: tl.constexpr, BK: tl.constexpr, start, COUNT: tl.constexpr,
-               FDP: tl.constexpr, HAD: tl.constexpr, POPC: tl.constexpr):
-    """Rows [k0, k0+BK) of R's columns [start, start+COUNT): [BK, FDP] fp32. HAD (R =
-    diag(s)·H/√D, every power-of-two D): the same fp32 values made from R's first column
-    (s/√D) and the parity of popc(row & column), instead of D×D loads — at decode sizes that
-    load was the longest phase of a key program (bench/results/store_stamps_s10_h200.md).
-    POPC: the popc instruction (GPU), else shifts (the interpreter)."""
+def _rot_chunk(rot_ptr, k0, D: tl.constexpr, BK: tl.constexpr, START: tl.constexpr,
+               COUNT: tl.constexpr, FDP: tl.constexpr):
+    """Rows [k0, k0+BK) of R's columns [START, START+COUNT): [BK, FDP] fp32."""
     kk = k0 + tl.arange(0, BK)
     j = tl.arange(0, FDP)
-    m = (kk < D)[:, None] & (j < COUNT)[None, :]
-    if HAD:
-        c0 = tl.load(rot_ptr + kk * D, mask=kk < D, other=0.0)[:, None]
-        v = kk[:, None] & (start + j)[None, :]
-        if POPC:
-            v = tl.extra.cuda.libdevice.popc(v)
-        else:
-            v = v ^ (v >> 8)
-            v = v ^ (v >> 4)
-            v = v ^ (v >> 2)
-            v = v ^ (v >> 1)
-        return tl.where(m, tl.where((v & 1) != 0, -c0, c0), 0.0)
-    else:
-        return tl.load(rot_ptr + kk[:, None] * D + start + j[None, :], mask=m, other=0.0)
+    return tl.load(rot_ptr + kk[:, None] * D + START + j[None, :],
+                   mask=(kk < D)[:, None] & (j < COUNT)[None, :], other=0.0)
 
 
 @triton.jit
 def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, r_all, D: tl.constexpr,
-            DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, START,
+            DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr,
             COUNT: tl.constexpr, FDP: tl.constexpr, TF32X3: tl.constexpr,
-            HAS_CORR: tl.constexpr, PRELOADED: tl.constexpr, HAD: tl.constexpr = False):
+            HAS_CORR: tl.constexpr, PRELOADED: tl.constexpr):
     """Rotated unit vectors restricted to coordinates [START, START+COUNT): [HB, FDP] fp32;
     with HAS_CORR, of x minus the vectors whose rotation is ``corr`` (outlier channels).
     PRELOADED: ``r_all`` is the whole column block (BK = DP, loaded by the caller)."""
@@ -194,7 +178,7 @@ def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, r_all, D: tl.constexpr,
         if PRELOADED:
             r = r_all
         else:
-            r = _rot_chunk(rot_ptr, k0, D, BK, START, COUNT, FDP, HAD, TF32X3)
+            r = _rot_chunk(rot_ptr, k0, D, BK, START, COUNT, FDP)
         if TF32X3:
             # fp32 accuracy on the tensor cores: x·r ≈ x_hi·r_hi + x_hi·r_lo + x_lo·r_hi with
             # v_hi = v truncated to TF32's 10 mantissa bits (exact in a TF32 dot) and
@@ -267,16 +251,16 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
                  F1_OFF: tl.constexpr, F1_BITS: tl.constexpr, F1_W: tl.constexpr,
                  F1_G: tl.constexpr, F1_GP: tl.constexpr, F1_CPW: tl.constexpr,
                  F1_START: tl.constexpr, F1_COUNT: tl.constexpr, F1_LUT: tl.constexpr,
-                 F1_BND: tl.constexpr, F1_CM: tl.constexpr, HAD: tl.constexpr = False):
+                 F1_BND: tl.constexpr, F1_CM: tl.constexpr):
     """Norm + rotation + Lloyd–Max codes of x rows (the codec's _encode_unit), after taking
     NOUT outlier channels out (the codec's _split_outliers)."""
     # one rotation chunk (decode-size steps): R's loads are issued first, with the table's, so
     # they overlap the rows' loads and reductions
     PRE: tl.constexpr = BK == DP
     if PRE:
-        r0 = _rot_chunk(rot_ptr, 0, D, BK, F0_START, F0_COUNT, F0_GP * F0_CPW, HAD, TF32X3)
+        r0 = _rot_chunk(rot_ptr, 0, D, BK, F0_START, F0_COUNT, F0_GP * F0_CPW)
         if HAS_F1:
-            r1 = _rot_chunk(rot_ptr, 0, D, BK, F1_START, F1_COUNT, F1_GP * F1_CPW, HAD, TF32X3)
+            r1 = _rot_chunk(rot_ptr, 0, D, BK, F1_START, F1_COUNT, F1_GP * F1_CPW)
         else:
             r1 = r0
     else:
@@ -298,7 +282,7 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
     y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, r0, D, DP, BK, HB, F0_START,
-                F0_COUNT, F0_GP * F0_CPW, TF32X3, NOUT > 0, PRE, HAD)
+                F0_COUNT, F0_GP * F0_CPW, TF32X3, NOUT > 0, PRE)
     code = _bucketize(y, bnd0, F0_BITS)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0_OFF, F0_BITS, F0_W, F0_G, F0_GP,
                  F0_CPW, F0_CM)
@@ -310,7 +294,7 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
         else:
             corr1 = tl.zeros([HB, F1_GP * F1_CPW], tl.float32)
         y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, r1, D, DP, BK, HB, F1_START,
-                     F1_COUNT, F1_GP * F1_CPW, TF32X3, NOUT > 0, PRE, HAD)
+                     F1_COUNT, F1_GP * F1_CPW, TF32X3, NOUT > 0, PRE)
         code1 = _bucketize(y1, bnd1, F1_BITS)
         _store_codes(code1, cache_ptr, base, off, h_ok, HB, BS, F1_OFF, F1_BITS, F1_W, F1_G,
                      F1_GP, F1_CPW, F1_CM)
@@ -328,25 +312,24 @@ def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
                      N_OFF: tl.constexpr, FOLD: tl.constexpr, OFF: tl.constexpr,
                      BITS: tl.constexpr, W: tl.constexpr, G: tl.constexpr, CPW: tl.constexpr,
                      START: tl.constexpr, LUT: tl.constexpr, BND: tl.constexpr,
-                     CM: tl.constexpr, KS: tl.constexpr, HAD: tl.constexpr = False):
+                     CM: tl.constexpr, KS: tl.constexpr):
     """Part ``part`` of KS of a single-field key's encoding (no outliers): the rotated
     coordinates of words [part·G/KS, (part+1)·G/KS) and their codes. Every part computes the
     row norm; with FOLD the parts' Σĉ² meet in ``ss_ptr`` (fp64 atomics) and the last part of
     the row block to finish (``cnt_ptr``) writes the folded norm and resets both."""
     NG: tl.constexpr = G // KS
     PC: tl.constexpr = NG * CPW
-    if HAD:  # made in K chunks inside _rotate (one [DP, PC] chunk: registers spill)
-        rp = 0.0
-    else:
-        rp = _rot_chunk(rot_ptr, 0, D, DP, START + part * PC, PC, PC, HAD, TF32X3)
+    kk = tl.arange(0, DP)
+    j = tl.arange(0, PC)
+    rp = tl.load(rot_ptr + kk[:, None] * D + (START + part * PC) + j[None, :],
+                 mask=(kk < D)[:, None], other=0.0)
     bnd = _table16(tab_ptr + BND, (1 << BITS) - 1)
     cen = _table16(tab_ptr + LUT, (1 << BITS) if FOLD else 0)
     bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
-    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, 0.0, rp, D, DP,
-                HAD_BK if HAD else DP, HB, START + part * PC, PC, PC, TF32X3, False, not HAD,
-                HAD)
+    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, 0.0, rp, D, DP, DP, HB, 0, PC, PC,
+                TF32X3, False, True)
     code = _bucketize(y, bnd, BITS)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, OFF, BITS, W, G, NG, CPW, CM,
                  part * NG, NG)
@@ -364,7 +347,6 @@ def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
 
 
 QROT_BLOCK = tl.constexpr(qrot.FUSED_BLOCK)
-HAD_BK = tl.constexpr(32)  # K chunk of a rotation made in the kernel
 QROT_BLOCK_C = tl.constexpr(qrot.BLOCK_C)
 
 
@@ -392,7 +374,7 @@ def _store_kernel(
         V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
         PAD_OFF: tl.constexpr, PAD_N: tl.constexpr,
         q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, HAS_Q: tl.constexpr,
-        LAUNCH_DEPENDENTS: tl.constexpr, ss_ptr, cnt_ptr, KS: tl.constexpr, HAD: tl.constexpr):
+        LAUNCH_DEPENDENTS: tl.constexpr, ss_ptr, cnt_ptr, KS: tl.constexpr):
     # programs: [0, KS·n_kv) keys of row block pid // KS (part pid % KS of its coordinates),
     # [KS·n_kv, (KS+1)·n_kv) values; with HAS_Q, then the query rotation's blocks
     # (kernels/qrot.py), so a decode step stores and rotates in one launch
@@ -433,21 +415,21 @@ def _store_kernel(
                 _encode_key_part(k_ptr, k_rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
                                  tab_ptr, part, rb, ss_ptr, cnt_ptr, D, DP, HB, TF32X3, BS,
                                  KN_OFF, K_CORR == 1, K0_OFF, K0_BITS, K0_W, K0_G, K0_CPW,
-                                 K0_START, K0_LUT, K0_BND, K0_CM, KS, HAD)
+                                 K0_START, K0_LUT, K0_BND, K0_CM, KS)
             else:
                 _encode_unit(k_ptr, k_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                              D, DP, BK, HB, TF32X3, BS, KN_OFF, K_CORR == 1, K_NOUT, K_NOUTP,
                              KOI_OFF, KOV_OFF, HAS_K1, K0_OFF, K0_BITS, K0_W, K0_G, K0_GP,
                              K0_CPW, K0_START, K0_COUNT, K0_LUT, K0_BND, K0_CM, K1_OFF, K1_BITS,
                              K1_W, K1_G, K1_GP, K1_CPW, K1_START, K1_COUNT, K1_LUT, K1_BND,
-                             K1_CM, HAD)
+                             K1_CM)
         else:
             if V_TQ:
                 _encode_unit(v_ptr, v_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                              D, DP, BK, HB, TF32X3, BS, VN_OFF, V_CORR == 1, 0, 1, 0, 0, HAS_V1,
                              V0_OFF, V0_BITS, V0_W, V0_G, V0_GP, V0_CPW, V0_START, V0_COUNT,
                              V0_LUT, V0_BND, V0_CM, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW,
-                             V1_START, V1_COUNT, V1_LUT, V1_BND, V1_CM, HAD)
+                             V1_START, V1_COUNT, V1_LUT, V1_BND, V1_CM)
             else:
                 bad, v, m = _row_stats(v_ptr, v_rows, ld_ok, D, V0_GP * V0_CPW)
                 vmin = tl.min(tl.where(m, v, float("inf")), axis=1)
@@ -476,7 +458,6 @@ ROWS_PER_PROGRAM = 16  # (token, KV head) rows; see the module docstring
 # whole rotation at once with 8 warps: 10.8-11.7 µs vs 12.1-12.8 with 32-wide chunks and 4 warps
 # (H200, N = 8-128 tokens; bench/results/store_decode_s6_h200.json, store_decode_s6_2_h200.json)
 DECODE_ROWS, DECODE_BLOCK_K, DECODE_WARPS = 1024, 128, 8
-HADAMARD_DEFAULT = False  # store_kv_triton(hadamard=None)
 
 
 def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
@@ -484,8 +465,8 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
                     rows_per_program: int | None = None,
                     rotation_precision: str | None = None, block_k: int | None = None,
                     num_warps: int | None = None, query: tuple | None = None,
-                    launch_dependents: bool = False, key_splits: int = 1,
-                    hadamard: bool | None = None, _allow_empty: bool = False) -> None:
+                    launch_dependents: bool = False, key_splits: int | None = None,
+                    _allow_empty: bool = False) -> None:
     """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place.
 
     ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM; ``block_k`` (the
@@ -493,9 +474,8 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     and ``launch_dependents``: see :func:`store_kv_and_rotate_query`. ``key_splits`` (1, 2, 4):
     programs per key row block, each rotating and coding a part of its coordinates (a shorter
     latency chain for decode-size steps; single-field keys without outliers, rotation in one
-    chunk; else 1). ``hadamard``: make R's values in the kernel from its first column where
-    R = diag(s)·H/√D (the same bytes; None: :data:`HADAMARD_DEFAULT`; ignored for other
-    rotations).
+    chunk; else 1); None: 2 while the launch's programs fit one wave on the device, else 1
+    (:func:`auto_key_splits`).
     ``rotation_precision``: "tf32x3" (three TF32 tensor-core dots, the default on CUDA) or
     "ieee" (fp32 FMA dots, the default elsewhere: the interpreter has no TF32).
     """
@@ -520,32 +500,39 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     hb = rows_per_program or ROWS_PER_PROGRAM
     dp = spec.meta["DP"]
     small = rows <= DECODE_ROWS
-    had = (HADAMARD_DEFAULT if hadamard is None else bool(hadamard)) and spec.hadamard_rotation
-    bk = block_k or min(HAD_BK.value if had else DECODE_BLOCK_K if small else 32, dp)
+    bk = block_k or min(DECODE_BLOCK_K if small else 32, dp)
     num_warps = num_warps or (DECODE_WARPS if small else 4)
     if bk < 16 or bk & (bk - 1) or bk > dp:
         raise ValueError(f"block_k={block_k}: a power of two in [16, {dp}]")
     n_kv = max(triton.cdiv(rows, hb), 1)
+    n_q = 0 if query is None else qrot.num_blocks(query[0].shape[0], d, qrot.FUSED_BLOCK)
+    if key_splits is None:
+        key_splits = auto_key_splits(n_kv, n_q, key.device)
     if key_splits not in (1, 2, 4):
         raise ValueError(f"key_splits={key_splits}: 1, 2 or 4")
     m = spec.meta
     g = m["K0_G"]
     ks = key_splits if (m["K0_BITS"] > 0 and not m["K_FP8"] and m["K_NOUT"] == 0
-                        and not m["HAS_K1"] and (bk == dp or had) and g % key_splits == 0
+                        and not m["HAS_K1"] and bk == dp and g % key_splits == 0
                         and (g // key_splits) & (g // key_splits - 1) == 0) else 1
     ss_buf, cnt_buf = _split_scratch(key.device, rows if ks > 1 else 1, n_kv if ks > 1 else 1)
-    if query is None:
-        q_args, n_q = (key, 0, rot, key, 1.0), 0
-    else:
-        q_args, n_q = query, qrot.num_blocks(query[0].shape[0], d, qrot.FUSED_BLOCK)
+    q_args = (key, 0, rot, key, 1.0) if query is None else query
     _store_kernel[((ks + 1) * n_kv + n_q,)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
         rows, HK=hk, HB=hb, BK=bk, TF32X3=rotation_precision == "tf32x3", num_warps=num_warps,
         **spec.meta, **dict(zip(("q_ptr", "NQ_ROWS", "qr_ptr", "qo_ptr", "q_scale"), q_args)),
         HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents, ss_ptr=ss_buf,
-        cnt_ptr=cnt_buf, KS=ks,
-        HAD=had)
+        cnt_ptr=cnt_buf, KS=ks)
+
+
+def auto_key_splits(n_kv: int, n_q: int, device) -> int:
+    """Key splits for a launch of n_kv key and n_kv value row blocks plus n_q query blocks:
+    2 while all its programs (one 8-warp program per SM at decode sizes) fit one wave, else 1.
+    H200, in-step store at 16K (bench/results/decode_tune_s11_had_h200_prelim.md): B = 32
+    (112 programs) 5.5 → 4.3 µs with 2 splits, 4 splits (144 programs, a second wave) no
+    better; B = 128 (448 programs) 12.8 → 13.4 µs."""
+    return 2 if 3 * n_kv + n_q <= num_sms(device) else 1
 
 
 _SCRATCH: dict = {}
@@ -570,13 +557,12 @@ def store_kv_and_rotate_query(codec: TQCodec, key: torch.Tensor, value: torch.Te
                               q: torch.Tensor, r: torch.Tensor, scale: float,
                               launch_dependents: bool = False,
                               num_warps: int | None = None,
-                              key_splits: int = 1,
-                              hadamard: bool | None = None) -> torch.Tensor:
+                              key_splits: int | None = None) -> torch.Tensor:
     """:func:`store_kv_triton` and :func:`tqattn.kernels.qrot.rotate_query` (q, r, scale) in
     one launch: the decode step's prologue. Returns the rotated query."""
     q2, out = qrot.check_and_alloc(q, r)
     store_kv_triton(codec, key, value, kv_cache, slot_mapping,
                     query=(q2, q2.shape[0], r, out, float(scale)), num_warps=num_warps,
                     launch_dependents=launch_dependents, key_splits=key_splits,
-                    hadamard=hadamard, _allow_empty=True)
+                    _allow_empty=True)
     return out.view(q.shape)

@@ -527,12 +527,15 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
 
 
 def auto_key_splits(n_kv: int, n_q: int, device) -> int:
-    """Key splits for a launch of n_kv key and n_kv value row blocks plus n_q query blocks:
-    2 while all its programs (one 8-warp program per SM at decode sizes) fit one wave, else 1.
-    H200, in-step store at 16K (bench/results/decode_tune_s11_had_h200_prelim.md): B = 32
-    (112 programs) 5.5 → 4.3 µs with 2 splits, 4 splits (144 programs, a second wave) no
-    better; B = 128 (448 programs) 12.8 → 13.4 µs."""
-    return 2 if 3 * n_kv + n_q <= num_sms(device) else 1
+    """Key splits for a launch of n_kv key and n_kv value row blocks plus n_q query blocks: the
+    most (4, else 2) whose programs (one 8-warp program per SM at decode sizes) still fit one
+    wave, else 1. H200, in-step store at 16K (bench/results/decode_tune_s11_had_h200_prelim.md):
+    B = 32 with the query blocks (112 programs at 2 splits) 5.5 → 4.3 µs with 2 splits, 4
+    splits (144 programs, a second wave) no better; B = 128 (448 programs) 12.8 → 13.4 µs."""
+    for ks in (4, 2):
+        if (ks + 1) * n_kv + n_q <= num_sms(device):
+            return ks
+    return 1
 
 
 _SCRATCH: dict = {}

@@ -151,7 +151,8 @@ def test_mma_dispatch_plumbing(monkeypatch):
     # except in the program whose first tile holds a sequence's last token
     k, v = torch.randn(2, 2, 2, 128)
     slots = torch.tensor([int(bt[0, 39 // 16]) * 16 + 39 % 16, int(bt[1, 0]) * 16 + 8])
-    decode.decode_attention_triton(codec, q, cache, bt, seq_lens, new_kv=(k, v, slots))
+    decode.decode_attention_triton(codec, q, cache, bt, seq_lens, new_kv=(k, v, slots),
+                                   mma_fused_store=False)
     assert calls[-1][-1] == {"early_loads": "except_last", "maxnreg": None}
 
 
@@ -165,7 +166,7 @@ def test_mma_fused_query_rotation(monkeypatch):
     codec = TQCodec("turboquant_k3v4_nc", 128)
     spec = kernel_spec(codec, 16)
     assert decode_mma.fused_rotation_supported(spec)
-    _, r, sgn = decode_mma._tables(spec, "cpu")
+    _, r, sgn, _ = decode_mma._tables(spec, "cpu")
     q = torch.randn(64, 128, dtype=torch.bfloat16) * 3
     got, want = decode_mma.fused_query_ref(q, sgn, 0.7), rotate_query_ref(q, r, 0.7)
     assert got.dtype == torch.float16 and rel_err(got.float(), want.float()) < 1e-3
@@ -188,14 +189,23 @@ def test_mma_fused_query_rotation(monkeypatch):
     assert qk is q and pdl is False and kw["qscale"] == pytest.approx(0.5 * math.log2(math.e))
     k, v = torch.randn(2, 2, 2, 128)
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, mma_qrot=True,
-                                   new_kv=(k, v, torch.tensor([3, 20])))
+                                   new_kv=(k, v, torch.tensor([3, 20])), mma_fused_store=False)
     assert calls[-1][1] is q and calls[-1][12] is True
     assert calls[-1][-1]["early_loads"] == "except_last" and stores[-1]["launch_dependents"]
-    # by default a step with new K/V keeps the store + rotation launch
-    decode.decode_attention_triton(codec, q, cache, bt, seq_lens,
+    # without the fused store a step with new K/V keeps the store + rotation launch
+    decode.decode_attention_triton(codec, q, cache, bt, seq_lens, mma_fused_store=False,
                                    new_kv=(k, v, torch.tensor([3, 20])))
     assert "qscale" not in calls[-1][-1] and calls[-1][1].dtype == torch.float16
     assert "query" in stores[-1]   # the launch that stores and rotates
+    # mma_fused_store (the default): one launch, the decode kernel stores the new token itself
+    n_stores = len(stores)
+    decode.decode_attention_triton(codec, q, cache, bt, seq_lens,
+                                   new_kv=(k, v, torch.tensor([3, 20])))
+    kw = calls[-1][-1]
+    assert len(stores) == n_stores and calls[-1][1] is q and calls[-1][12] is False
+    assert kw["new_kv"][0] is k and kw["early_loads"] is True and "qscale" in kw
+    assert decode_mma.fused_store_supported(spec)
+    assert not decode_mma.fused_store_supported(kernel_spec(TQCodec("tq_k3o4v3.5", 128), 16))
     with pytest.raises(ValueError, match="prefetch="):
         decode_mma._args(spec, q, cache, bt, seq_lens, None, None, None, None, 4, 1, "bogus",
                          False, True, None)

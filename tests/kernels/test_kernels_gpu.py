@@ -143,8 +143,9 @@ def test_decode_mma_qrot_gpu(bs, variant):
     (True, 1, False), (False, 1, False), (True, 2, False), (True, 4, False), (True, 1, True),
     (True, 2, True)])
 def test_decode_with_new_kv_gpu(mma, key_splits, qrot):
-    """The step's new K/V handed to the decode (stored in the query rotation's launch on the
-    tensor-core path): the same cache bytes and output as store, then decode — eager and
+    """The step's new K/V handed to the decode and stored by a store launch (with the query
+    rotation's on the tensor-core path; test_decode_fused_store_gpu: by the decode kernel): the
+    same cache bytes and output as store, then decode — eager and
     replayed from a CUDA graph with new tokens."""
     from tqattn.kernels.decode import decode_attention_triton
     from tqattn.kernels.store import store_kv_triton
@@ -157,18 +158,19 @@ def test_decode_with_new_kv_gpu(mma, key_splits, qrot):
     k, v = torch.randn(2, 4, 8, 128, device=DEV, dtype=torch.bfloat16)
     a, b = cache.clone(), cache.clone()
     store_kv_triton(codec, k, v, a, slots)
-    want = decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)
+    want = decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma, mma_qrot=qrot)
     got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), MMA=mma,
-                                  mma_store_key_splits=key_splits, mma_qrot=qrot)
+                                  mma_store_key_splits=key_splits, mma_qrot=qrot,
+                                  mma_fused_store=False)
     # the fused launch rotates the query in larger blocks than the standalone rotation kernel
     # (another summation order): a few fp16 query elements round the other way
-    tol = 1e-3 if qrot else 1e-4   # qrot: the query rotated by another method
-    assert torch.equal(a, b) and rel_err(got, want) < tol
+    assert torch.equal(a, b) and rel_err(got, want) < 1e-4
     out = torch.empty_like(q)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), out=out,
-                                MMA=mma, mma_store_key_splits=key_splits, mma_qrot=qrot)
+                                MMA=mma, mma_store_key_splits=key_splits, mma_qrot=qrot,
+                                mma_fused_store=False)
     for _ in range(2):
         k.copy_(torch.randn_like(k))
         v.copy_(torch.randn_like(v))
@@ -177,7 +179,64 @@ def test_decode_with_new_kv_gpu(mma, key_splits, qrot):
         store_kv_triton(codec, k, v, a, slots)
         torch.cuda.synchronize()
         assert torch.equal(a, b)
-        assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma)) < tol
+        assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma,
+                                                    mma_qrot=qrot)) < 1e-4
+
+
+@pytest.mark.parametrize("bs", [16, 64])
+def test_decode_fused_store_gpu(bs):
+    """mma_fused_store: the decode kernel stores each sequence's new token itself (its last
+    split, before reading) — the cache as the store kernel writes it up to codes on bucket
+    boundaries, the same output, padding slots untouched, non-finite rows marked; eager and
+    replayed from a CUDA graph."""
+    from tqattn.kernels.decode import decode_attention_triton
+    from tqattn.kernels.store import store_kv_triton
+    codec = _codec("turboquant_k3v4_nc", 128)
+    lens = [900, 3000, 17, 64, 1, 129]
+    cache, bt, seq_lens = filled_cache(codec, lens, 8, bs, device=DEV)
+    slots = torch.cat([slots_for(bt, b, torch.tensor([n - 1], device=DEV), bs)
+                       for b, n in enumerate(lens)])
+    slots[3] = -1                                   # a padding entry: nothing stored
+    q = torch.randn(len(lens), 32, 128, device=DEV, dtype=torch.bfloat16)
+    k, v = torch.randn(2, len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
+    k[1, 3, 5] = float("nan")
+    v[2, 6, 1] = float("inf")
+
+    def check(a, b):
+        ka, va = paged.dequant_ref(codec, a, bt, seq_lens)
+        kb, vb = paged.dequant_ref(codec, b, bt, seq_lens)
+        for x, y in ((ka, kb), (va, vb)):
+            assert torch.equal(x.isnan(), y.isnan())
+            fin = ~x.isnan()
+            assert rel_err(y[fin], x[fin]) < 2e-3
+        assert (a != b).float().mean().item() < 1e-3
+        last = torch.tensor(lens, device=DEV).cumsum(0) - 1      # each sequence's new token
+        for x, y in ((ka[last], kb[last]), (va[last], vb[last])):
+            fin = ~x.isnan()
+            assert rel_err(y[fin], x[fin]) < 1e-2
+
+    a, b = cache.clone(), cache.clone()
+    store_kv_triton(codec, k, v, a, slots)
+    fused = dict(new_kv=(k, v, slots))   # the default
+    got = decode_attention_triton(codec, q, b, bt, seq_lens, **fused)
+    check(a, b)
+    ok = torch.ones(len(lens), dtype=torch.bool)
+    ok[[1, 2]] = False                              # the sequences with non-finite rows
+    want = decode_attention_triton(codec, q, a, bt, seq_lens)
+    assert rel_err(got[ok], want[ok]) < 2e-3
+    out = torch.empty_like(q)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        decode_attention_triton(codec, q, b, bt, seq_lens, out=out, **fused)
+    for _ in range(2):
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        store_kv_triton(codec, k, v, a, slots)
+        torch.cuda.synchronize()
+        check(a, b)
+        assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens)) < 2e-3
 
 
 @pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3"])

@@ -635,12 +635,17 @@ def _merge_kernel(po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, out_ptr, 
 # calls without new K/V (B = 32 at 16K 174.1 → 171.8 µs, 128x4K 176.6 → 170.4, 8x64K 178.7 →
 # 173.8: bench/results/decode_tune_s11_had_h200_prelim.md), while a step with new K/V keeps the
 # store + rotation launch (its step measured 2-3 µs shorter than the store alone followed by
-# the rotating decode: decode_tune_s11_pipe_h200_prelim.md).
+# the rotating decode: decode_tune_s11_pipe_h200_prelim.md). mma_fused_store: a step's new
+# K/V stored by the decode kernel itself (decode_mma._store_new_token; it also rotates the
+# query), one launch per step: the step's store cost at 16K 6.7 → 2.0 µs at B = 32, 15.4 → 3.2
+# at B = 128 (bench/results/decode_tune_s11_fstore2_h200_prelim.md). Where it does not apply
+# (layouts other than decode_mma.fused_store_supported, several rows per sequence) the store
+# runs in the rotation's launch as before.
 DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
             "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None,
-            "mma_store_key_splits": None, "mma_qrot": None}
+            "mma_store_key_splits": None, "mma_qrot": None, "mma_fused_store": True}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -711,9 +716,18 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     pdl = cfg["mma_pdl"]
     if pdl is None:  # the decode kernel starts during the rotation kernel (sm_90+)
         pdl = decode_mma.pdl_supported(q.device)
-    qscale = None
+    qscale = kernel_kv = None
     qrot_on = new_kv is None if cfg["mma_qrot"] is None else cfg["mma_qrot"]
-    if qrot_on and decode_mma.fused_rotation_supported(spec):
+    fused_store = (new_kv is not None and cfg["mma_fused_store"] and rows == batch
+                   and decode_mma.fused_rotation_supported(spec)
+                   and decode_mma.fused_store_supported(spec))
+    if fused_store:  # one launch: the decode kernel stores the new token and rotates the query
+        qscale = decode_mma.query_rotation(spec, q.device, scale)[1]
+        qk = q if q.stride(-1) == 1 else q.contiguous()
+        kernel_kv = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in new_kv[:2]) + (
+            new_kv[2],)
+        pdl = False
+    elif qrot_on and decode_mma.fused_rotation_supported(spec):
         qscale = decode_mma.query_rotation(spec, q.device, scale)[1]
         qk = q if q.stride(-1) == 1 else q.contiguous()
         if new_kv is None:
@@ -731,7 +745,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
                                              num_warps=cfg["mma_store_warps"],
                                              key_splits=cfg["mma_store_key_splits"])
     # new_kv: each sequence's token at seq_len − 1 is stored by the rotation kernel
-    early = True if new_kv is None else "except_last"
+    early = True if new_kv is None or fused_store else "except_last"
     prefetch = cfg["mma_prefetch"]
     if num_splits is None:
         # exactly one wave of one-warp programs: a partial second wave idles most SMs
@@ -739,7 +753,8 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         # took 84 µs at B = 8, 16K; 12: 67 µs)
         per_sm = cfg["mma_programs_per_sm"] or decode_mma.programs_per_sm(
             spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early,
-            cfg["mma_maxnreg"], **({"qscale": qscale} if qscale is not None else {}))
+            cfg["mma_maxnreg"], **({"qscale": qscale} if qscale is not None else {}),
+            **({"new_kv": kernel_kv} if kernel_kv is not None else {}))
         num_splits = max(1, min(64, per_sm * num_sms(q.device) // (batch * hk)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -748,7 +763,8 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
     decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
                       num_splits, prefetch, pdl, early_loads=early, maxnreg=cfg["mma_maxnreg"],
-                      **({"qscale": qscale} if qscale is not None else {}))
+                      **({"qscale": qscale} if qscale is not None else {}),
+                      **({"new_kv": kernel_kv} if kernel_kv is not None else {}))
     return (out, lse) if return_lse else out
 
 

@@ -101,6 +101,103 @@ def _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale):
     return gl.convert_layout(x * qscale, _OP_B).to(gl.float16)
 
 
+_TOK = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))   # [128]: lane l holds 4l..4l+3
+_B64 = gl.constexpr(gl.BlockedLayout([2], [32], [1], [0]))    # [64] bytes: 2 per lane
+
+
+@gluon.jit
+def _bfly(x, M: gl.constexpr):
+    """The value of lane (lane ^ M) (shfl.sync.bfly)."""
+    return gl.inline_asm_elementwise(f"shfl.sync.bfly.b32 $0, $1, {M}, 0x1f, 0xffffffff;",
+                                     "=r,r", [x], dtype=x.dtype, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _wht128(x, kk):
+    """Walsh–Hadamard transform (unnormalised) of x [128] in _TOK (kk: its indices): bits 0, 1
+    of the index in-thread, bits 2-6 across lanes by butterfly shuffles."""
+    u, v = gl.split(gl.reshape(x, [64, 2]))
+    x = gl.reshape(gl.join(u + v, u - v), [128])
+    u, v = gl.split(gl.permute(gl.reshape(x, [32, 2, 2]), [0, 2, 1]))
+    x = gl.reshape(gl.permute(gl.join(u + v, u - v), [0, 2, 1]), [128])
+    x = gl.convert_layout(x, _TOK)
+    for b in gl.static_range(5):
+        p = _bfly(x, 1 << b)
+        x = gl.where(((kk >> (b + 2)) & 1) != 0, p - x, x + p)
+    return x
+
+
+@gluon.jit
+def _row_tok(ptr, row, kk):
+    """One 128-element row → fp32 [128] in _TOK, zeroed if non-finite, and that flag."""
+    x = gl.load(ptr + row + kk).to(gl.float32)
+    bad = gl.max(((x != x) | (gl.abs(x) == float("inf"))).to(gl.int32), axis=0) > 0
+    return gl.where(bad, 0.0, x), bad
+
+
+@gluon.jit
+def _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr, ksgn_ptr,
+                     cache_ptr, sc_b, sc_h, b, kvh, BS: gl.constexpr, K_OFF: gl.constexpr,
+                     KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
+                     VZ_OFF: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr):
+    """STORE: encode sequence b's new token of KV head kvh into the page at slot_ptr[b] (negative:
+    padding, nothing written) — the math of kernels/store.py for turboquant_k3v4_nc-like
+    layouts (3-bit centroid keys with folded norm in 16 column-major words, 4-bit uniform values),
+    with the rotation as a Walsh–Hadamard transform (R = diag(s)·H/√128; ksgn_ptr: s/√128) in
+    fp32 instead of TF32 dots: codes can differ from the store kernel's where a coordinate sits
+    on a bucket boundary. One warp, 4 coordinates per lane."""
+    slot = gl.load(slot_ptr + b).to(gl.int64)
+    if slot >= 0:
+        off = slot % BS
+        page = cache_ptr + (slot // BS) * sc_b + kvh.to(gl.int64) * sc_h
+        kk = gl.arange(0, 128, layout=_TOK)
+        lane = gl.arange(0, 32, layout=_LANE)
+        # keys: norm, rotation, Lloyd–Max codes, folded norm n / ‖ĉ‖
+        x, bad = _row_tok(kn_ptr, b.to(gl.int64) * skn_b + kvh * skn_h, kk)
+        v, vbad = _row_tok(vn_ptr, b.to(gl.int64) * svn_b + kvh * svn_h, kk)
+        nrm = gl.sqrt_rn(gl.sum(x * x, axis=0))
+        y = _wht128(x * gl.load(ksgn_ptr + kk), kk)
+        y = gl.div_rn(y, gl.zeros([128], gl.float32, layout=_TOK) + (nrm + 1e-8))
+        code = gl.zeros([128], gl.int32, layout=_TOK)
+        for i in gl.static_range(7):
+            code += (y > gl.load(ftab_ptr + K_BND + i)).to(gl.int32)
+        c = gl.zeros([128], gl.float32, layout=_TOK)
+        for i in gl.static_range(8):
+            c = gl.where(code == i, gl.load(ftab_ptr + K_LUT + i), c)
+        c = c.to(gl.float64)
+        kn = (nrm.to(gl.float64) / gl.sqrt(gl.sum(c * c, axis=0))).to(gl.float32)
+        # 3-bit words of 8 codes (codes 0-5 in nibbles, 6-7 bit-spread: tqattn.quant.paged);
+        # a word spans lanes 2g and 2g + 1
+        i8 = kk % 8
+        spread = (code & 1) | ((code & 2) << 7) | ((code & 4) << 14)
+        bits = gl.where(i8 < 6, code << (4 * i8), spread << gl.maximum(4 * i8 - 21, 0))
+        half = gl.convert_layout(gl.sum(gl.reshape(bits, [32, 4]), axis=1), _LANE)
+        word = half | _bfly(half, 1)
+        kp = page + K_OFF + (lane // 2) * BS + off
+        for sp in gl.static_range(3):
+            gl.store(kp + sp * 16 * BS, ((word >> (8 * sp)) & 255).to(gl.uint8),
+                     mask=lane % 2 == 0)
+        # values: 4-bit uniform codes, two per byte
+        vmin = gl.min(v, axis=0)
+        scale = gl.maximum(gl.div_rn(gl.max(v, axis=0) - vmin, 15.0), 1e-8)
+        qv = gl.floor(gl.div_rn(v - vmin, gl.zeros([128], gl.float32, layout=_TOK) + scale)
+                      + 0.5)
+        qv = gl.minimum(gl.maximum(qv, 0.0), 15.0).to(gl.int32)
+        pairs = gl.convert_layout(gl.sum(gl.reshape(qv << (4 * (kk % 2)), [64, 2]), axis=1),
+                                  _B64)
+        gl.store(page + V_OFF + 64 * off + gl.arange(0, 64, layout=_B64), pairs.to(gl.uint8))
+        fp16p = (page + 2 * off).to(gl.pointer_type(gl.float16))
+        first = lane == 0
+        zero = gl.zeros([32], gl.float32, layout=_LANE)
+        gl.store(fp16p + KN_OFF // 2 + 0 * lane,
+                 (zero + gl.where(bad, float("nan"), kn)).to(gl.float16), mask=first)
+        gl.store(fp16p + VS_OFF // 2 + 0 * lane,
+                 (zero + gl.where(vbad, float("nan"), scale)).to(gl.float16), mask=first)
+        gl.store(fp16p + VZ_OFF // 2 + 0 * lane, (zero + vmin).to(gl.float16), mask=first)
+    # the warp reads this token's page back in its last tile
+    gl.thread_barrier()
+
+
 def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float) -> torch.Tensor:
     """PyTorch twin of :func:`_fused_query` for q (rows, 128): the same permuted load and the
     same butterflies, in the same order → fp16 (rows, 128), equal to
@@ -385,11 +482,13 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s
 def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr,
                        po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, tab_ptr,
                        out_ptr, so_r, so_h, lse_ptr, sl_r, count_ptr, NUM_SPLITS, sgn_ptr, qscale,
+                       kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr, ksgn_ptr,
                        GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
                        WRITE_LSE: gl.constexpr, PDL: gl.constexpr, RELOAD_LAST: gl.constexpr,
-                       QROT: gl.constexpr):
+                       QROT: gl.constexpr, STORE: gl.constexpr, K_LUT: gl.constexpr,
+                       K_BND: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HK
@@ -425,6 +524,16 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
     if QROT:  # the raw query: no kernel before this one writes it
         qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale)
+    if STORE:
+        # the step's new token, stored by the last split (it holds the sequence's last tile)
+        # while the first tile's words are in flight; read again if that tile is the last
+        if split == NUM_SPLITS - 1:
+            _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr,
+                             ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
+                             VS_OFF, VZ_OFF, K_LUT, K_BND)
+            if t0 == n_tiles - 1:
+                kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane,
+                                        sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
     if PDL:
         # launched as a programmatic dependent of the rotation kernel: everything above
         # overlaps its tail; the query (its output) is read only after the grid dependency
@@ -509,7 +618,7 @@ def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
 
 
 def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
-          prefetch, pdl, early, maxnreg, qscale=None):
+          prefetch, pdl, early, maxnreg, qscale=None, new_kv=None):
     if prefetch not in (False, True):
         raise ValueError(f"prefetch={prefetch!r}: expected True or False")
     m = spec.meta
@@ -525,11 +634,26 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
             out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
             _counters(qk.device, groups), num_splits,
             tables[2] if qscale is not None else tables[0], float(qscale or 0.0))
+    if new_kv is not None:
+        if qscale is None:
+            raise ValueError("new_kv: the kernel stores the new token only with qscale (QROT)")
+        kn, vn, slots = new_kv
+        if kn.shape != (seq_lens.numel(), kv_cache.shape[1], 128) or vn.shape != kn.shape:
+            raise ValueError(f"new_kv: key/value {tuple(kn.shape)} / {tuple(vn.shape)}, expected "
+                             f"one token per sequence ({seq_lens.numel()}, {kv_cache.shape[1]}, "
+                             f"128)")
+        if kn.stride(-1) != 1 or vn.stride(-1) != 1:
+            raise ValueError("new_kv: key/value need a contiguous last dimension")
+        args += (kn, kn.stride(0), kn.stride(1), vn, vn.stride(0), vn.stride(1), slots,
+                 spec.tables_on(qk.device)[0], tables[3])
+    else:
+        args += (qk, 0, 0, qk, 0, 0, seq_lens, tables[0], tables[0])
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
                 VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch,
                 WRITE_LSE=lse is not None, PDL=pdl, RELOAD_LAST=pdl and EARLY_LOADS[early],
-                QROT=qscale is not None, launch_pdl=pdl, num_warps=1,
+                QROT=qscale is not None, STORE=new_kv is not None, K_LUT=kf.lut, K_BND=kf.bnd,
+                launch_pdl=pdl, num_warps=1,
                 maxnreg=maxnreg or MAXNREG[prefetch])
     return args, meta
 
@@ -546,17 +670,17 @@ _RESIDENT: dict = {}
 
 def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool,
                     pdl: bool, early_loads: bool | str, maxnreg: int | None = None,
-                    qscale: float | None = None) -> int:
+                    qscale: float | None = None, new_kv: tuple | None = None) -> int:
     """One-warp programs an SM holds at once, from the register count of the kernel variant
     that :func:`launch` runs with these flags (the split count fills one wave of them)."""
     key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, maxnreg, qk.dtype,
-           str(qk.device), qscale is not None)
+           str(qk.device), qscale is not None, new_kv is not None)
     if key not in _RESIDENT:
         part = torch.empty(*qk.shape[:2], 16, qk.shape[2], device=qk.device)
         plse = torch.empty(*qk.shape[:2], 16, device=qk.device)
         out = torch.empty(qk.shape, dtype=torch.bfloat16, device=qk.device)
         args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, None,
-                           group, 16, prefetch, pdl, early_loads, maxnreg, qscale)
+                           group, 16, prefetch, pdl, early_loads, maxnreg, qscale, new_kv)
         kernel = _decode_mma_kernel.warmup(*args, grid=(1, 1), **meta)
         try:
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
@@ -591,10 +715,12 @@ def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False,
 def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
            num_splits: int, prefetch: bool = True, pdl: bool = False,
            early_loads: bool | str = True, maxnreg: int | None = None,
-           qscale: float | None = None) -> None:
+           qscale: float | None = None, new_kv: tuple | None = None) -> None:
     """qk: :func:`rotated_query`, or with ``qscale`` (the softmax scale times log2(e)) the raw
     query, which the kernel rotates itself (QROT, :func:`fused_rotation_supported`; pdl then
-    refers to the kernel before it, e.g. the store of the step's new K/V); part/plse: split scratch; out (rows, Hq, D) and lse (rows, Hq)
+    refers to the kernel before it, e.g. the store of the step's new K/V); new_kv (with qscale):
+    (key, value, slot_mapping) of one new token per sequence, which the kernel stores itself
+    (STORE: the last split of each group, before reading its tiles); part/plse: split scratch; out (rows, Hq, D) and lse (rows, Hq)
     or None receive the merged result. pdl: launch as a programmatic dependent of the kernel
     before it in the stream, which must be the query rotation (the kernel overlaps its prologue
     with that kernel and waits for its completion before reading ``qk``; work before the
@@ -607,7 +733,7 @@ def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, grou
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits}: the tensor-core kernel merges 1..{MAX_SPLITS}")
     args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                       num_splits, prefetch, pdl, early_loads, maxnreg, qscale)
+                       num_splits, prefetch, pdl, early_loads, maxnreg, qscale, new_kv)
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
 
 
@@ -629,11 +755,11 @@ def _counters(device, n: int) -> torch.Tensor:
 _TABLES: dict = {}
 
 
-def _tables(spec, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _tables(spec, device) -> tuple:
     """On device, cached per spec: the key codebook as the 4 int32 prmt table words, one copy
     per lane [32, 4]; the rotation fp32 with its columns in operand order (column κ = column
     c(κ) of R); for QROT the signs s[σ(k)]/√128 when R = diag(s)·H/√128 (every head size 128
-    rotation of quant/rotation.py), else None."""
+    rotation of quant/rotation.py), else None; for STORE s/√128 (natural order), else None."""
     key = (id(spec), str(device))
     if key not in _TABLES:
         kf = spec.key_fields[0]
@@ -642,12 +768,22 @@ def _tables(spec, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | No
         coord = 8 * (((k >> 1) & 3) + 4 * ((k >> 5) & 3)) + 2 * ((k >> 3) & 3) + (k & 1)
         r = spec.codec.rotation.float().cpu()
         rot = r[:, coord].contiguous()
-        sgn = None
+        sgn = ksgn = None
         if is_signed_hadamard(r):
-            sgn = (torch.sign(r[:, 0])[coord] / 128 ** 0.5).float().to(device)
+            s = torch.sign(r[:, 0]) / 128 ** 0.5
+            sgn, ksgn = s[coord].float().to(device), s.float().to(device)
         _TABLES[key] = (torch.tensor([words] * 32, dtype=torch.int32, device=device),
-                        rot.to(device), sgn)
+                        rot.to(device), sgn, ksgn)
     return _TABLES[key]
+
+
+def fused_store_supported(spec) -> bool:
+    """Whether the kernel can store a step's new token itself (STORE, :func:`_store_new_token`):
+    the layout :func:`supported` reads, keys without outliers and with the folded norm, 15-level
+    values, no padding bytes, a signed Hadamard rotation."""
+    m = spec.meta
+    return (m["K_NOUT"] == 0 and m["K_CORR"] == 1 and m["V_LEVELS"] == 15 and m["PAD_N"] == 0
+            and not m["V_TQ"] and not m["K_FP8"] and _tables(spec, "cpu")[3] is not None)
 
 
 def fused_rotation_supported(spec) -> bool:

@@ -708,9 +708,10 @@ def _block_n(spec) -> int:
 
 def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num_splits, out,
                 return_lse, new_kv=None):
-    """The tensor-core path (kernels/decode_mma.py): query rotation kernel (with the store of
-    ``new_kv``, if any) + one decode launch whose last split per group writes ``out`` (and the
-    LSE)."""
+    """The tensor-core path (kernels/decode_mma.py): by default one decode launch that rotates
+    the query and stores ``new_kv`` (if any) itself, whose last split per group writes ``out``
+    (and the LSE); with the config knobs off, a query rotation launch (which also stores
+    ``new_kv``) before it."""
     rows, hq, d = q.shape
     batch, hk = seq_lens.numel(), kv_cache.shape[1]
     pdl = cfg["mma_pdl"]
@@ -779,9 +780,11 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
                             **tune):
     """Triton decode attention; arguments and row semantics as decode_attention_ref.
 
-    ``new_kv`` = (key, value, slot_mapping): the step's new K/V, stored first (as
-    :func:`tqattn.kernels.store.store_kv_triton`); on the tensor-core path the store and the
-    query rotation are one launch (``store_kv_and_rotate_query``).
+    ``new_kv`` = (key, value, slot_mapping): the step's new K/V (one token per sequence, at
+    position seq_len − 1), stored before they are read (as
+    :func:`tqattn.kernels.store.store_kv_triton`); on the tensor-core path by the decode kernel
+    itself (``mma_fused_store``), else in one launch with the query rotation
+    (``store_kv_and_rotate_query``).
 
     ``max_query_len`` (rows per sequence, 1 without ``query_start_loc``) fixes the grid; when
     omitted with ``query_start_loc`` it is read from the device (a host sync — pass it under CUDA

@@ -139,14 +139,33 @@ def test_decode_mma_qrot_gpu(bs, variant):
         assert rel_err(got, want) < 2e-3
 
 
+def _replay_new_tokens(codec, step, q, k, v, a, slots, check):
+    """Capture step(out) — a decode step that stores k, v at slots — in a CUDA graph; replay it
+    twice with new q, k, v, storing them into the reference cache ``a`` with the store kernel,
+    and check(out) after each replay."""
+    from tqattn.kernels.store import store_kv_triton
+    out = torch.empty_like(q)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step(out)
+    for _ in range(2):
+        k.copy_(torch.randn_like(k))
+        v.copy_(torch.randn_like(v))
+        q.copy_(torch.randn_like(q))
+        g.replay()
+        store_kv_triton(codec, k, v, a, slots)
+        torch.cuda.synchronize()
+        check(out)
+
+
 @pytest.mark.parametrize("mma,key_splits,qrot", [
     (True, 1, False), (False, 1, False), (True, 2, False), (True, 4, False), (True, 1, True),
     (True, 2, True)])
 def test_decode_with_new_kv_gpu(mma, key_splits, qrot):
     """The step's new K/V handed to the decode and stored by a store launch (with the query
     rotation's on the tensor-core path; test_decode_fused_store_gpu: by the decode kernel): the
-    same cache bytes and output as store, then decode — eager and
-    replayed from a CUDA graph with new tokens."""
+    same cache bytes and output as store, then decode — eager and replayed from a CUDA graph
+    with new tokens."""
     from tqattn.kernels.decode import decode_attention_triton
     from tqattn.kernels.store import store_kv_triton
     codec = _codec("turboquant_k3v4_nc", 128)
@@ -165,22 +184,16 @@ def test_decode_with_new_kv_gpu(mma, key_splits, qrot):
     # the fused launch rotates the query in larger blocks than the standalone rotation kernel
     # (another summation order): a few fp16 query elements round the other way
     assert torch.equal(a, b) and rel_err(got, want) < 1e-4
-    out = torch.empty_like(q)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), out=out,
-                                MMA=mma, mma_store_key_splits=key_splits, mma_qrot=qrot,
-                                mma_fused_store=False)
-    for _ in range(2):
-        k.copy_(torch.randn_like(k))
-        v.copy_(torch.randn_like(v))
-        q.copy_(torch.randn_like(q))
-        g.replay()
-        store_kv_triton(codec, k, v, a, slots)
-        torch.cuda.synchronize()
+
+    def check(out):
         assert torch.equal(a, b)
         assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma,
                                                     mma_qrot=qrot)) < 1e-4
+
+    _replay_new_tokens(codec, lambda out: decode_attention_triton(
+        codec, q, b, bt, seq_lens, new_kv=(k, v, slots), out=out, MMA=mma,
+        mma_store_key_splits=key_splits, mma_qrot=qrot, mma_fused_store=False),
+        q, k, v, a, slots, check)
 
 
 @pytest.mark.parametrize("bs", [16, 64])
@@ -224,19 +237,13 @@ def test_decode_fused_store_gpu(bs):
     ok[[1, 2]] = False                              # the sequences with non-finite rows
     want = decode_attention_triton(codec, q, a, bt, seq_lens)
     assert rel_err(got[ok], want[ok]) < 2e-3
-    out = torch.empty_like(q)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        decode_attention_triton(codec, q, b, bt, seq_lens, out=out, **fused)
-    for _ in range(2):
-        k.copy_(torch.randn_like(k))
-        v.copy_(torch.randn_like(v))
-        q.copy_(torch.randn_like(q))
-        g.replay()
-        store_kv_triton(codec, k, v, a, slots)
-        torch.cuda.synchronize()
+
+    def check_replay(out):
         check(a, b)
         assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens)) < 2e-3
+
+    _replay_new_tokens(codec, lambda out: decode_attention_triton(
+        codec, q, b, bt, seq_lens, out=out, **fused), q, k, v, a, slots, check_replay)
 
 
 @pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3"])

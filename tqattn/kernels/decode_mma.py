@@ -8,8 +8,11 @@ triton's interpreter, so the comparison runs on the GPU: ``pytest -m gpu``). The
 rotated and scaled from kernels/qrot.py (or the store launch of a decode step), or raw (QROT):
 each program then rotates it itself by a Walsh–Hadamard transform, since the head size 128
 rotation is diag(s)·H/√128 (:func:`_fused_query`, twin :func:`fused_query_ref`) — one launch
-less per call. The last split of each (sequence, KV head) to finish merges the group's split
-outputs (the math of ``decode._merge_kernel``) into ``out``/``lse``.
+less per call. With a decode step's new K/V (STORE), the last split of each (sequence, KV head)
+also encodes its sequence's new token into the page before reading it
+(:func:`_store_new_token`; the math of kernels/store.py), so a step is one launch. The last
+split of each group to finish merges the group's split outputs (the math of
+``decode._merge_kernel``) into ``out``/``lse``.
 
 Why a second kernel: the Triton kernel feeds ``tl.dot`` from blocked layouts, so every decoded
 tile makes a round trip through shared memory (plus barriers), and its ``[heads, tokens]`` dots
@@ -36,9 +39,9 @@ Launch: one warp per (sequence, KV head, split); the split count fills exactly o
 programs that the compiled kernel's registers let an SM hold (programs_per_sm), splits differ
 by at most one tile; by default the words of tile t+1 are loaded while tile t is computed
 (198 registers, 8 programs per SM; without: 161, 12 per SM — slower at every shape measured).
-With programmatic dependent launch (sm_90+) the kernel's prologue overlaps the query rotation
-kernel (and the store of a decode step's new K/V, launched with it). Measured (H200):
-bench/results/decode_h200_s8.md.
+Without QROT / STORE, programmatic dependent launch (sm_90+) lets the kernel's prologue overlap
+the query rotation kernel (and the store of a decode step's new K/V, launched with it).
+Measured (H200): bench/results/decode_h200_s11.md.
 """
 from __future__ import annotations
 

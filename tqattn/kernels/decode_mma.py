@@ -629,7 +629,8 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
     groups = seq_lens.numel() * kv_cache.shape[1]
     tables = _tables(spec, qk.device)
     if qscale is not None and tables[2] is None:
-        raise ValueError("qscale: the kernel rotates the query itself only for R = diag(s)·H/√128")
+        raise ValueError("qscale: the kernel rotates the query itself only for "
+                         "R = diag(s)·H/√128")
     lse_arg = lse if lse is not None else plse
     args = (qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
             block_table, block_table.stride(0), seq_lens, part, part.stride(0), part.stride(1),
@@ -723,8 +724,8 @@ def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, grou
     query, which the kernel rotates itself (QROT, :func:`fused_rotation_supported`; pdl then
     refers to the kernel before it, e.g. the store of the step's new K/V); new_kv (with qscale):
     (key, value, slot_mapping) of one new token per sequence, which the kernel stores itself
-    (STORE: the last split of each group, before reading its tiles); part/plse: split scratch; out (rows, Hq, D) and lse (rows, Hq)
-    or None receive the merged result. pdl: launch as a programmatic dependent of the kernel
+    (STORE: the last split of each group, before reading its tiles); part/plse: split
+    scratch; out (rows, Hq, D) and lse (rows, Hq) or None receive the merged result. pdl: launch as a programmatic dependent of the kernel
     before it in the stream, which must be the query rotation (the kernel overlaps its prologue
     with that kernel and waits for its completion before reading ``qk``; work before the
     rotation kernel is complete when it starts). early_loads: True, the prologue reads the

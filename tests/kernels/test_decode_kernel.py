@@ -135,7 +135,8 @@ def test_mma_dispatch_plumbing(monkeypatch):
     assert o is out and l is lse and out.dtype == torch.bfloat16 and lse.shape == (2, 8)
     # 4 "SMs" on CPU; the words of the next tile are prefetched by default
     assert (group, splits, prefetch, pdl, kw) == (4, 7 * 4 // (2 * 2), True, False,
-                                                  {"early_loads": True, "maxnreg": None})
+                                                  {"early_loads": True, "maxnreg": None,
+                                                   "qscale": None, "new_kv": None})
     assert part.shape == (2, 8, splits, 128) and plse.shape == (2, 8, splits)
     r = decode_mma._tables(spec, q.device)[1]
     want = rotate_query_ref(q, r, 1.4426950408889634 / math.sqrt(128))
@@ -153,7 +154,8 @@ def test_mma_dispatch_plumbing(monkeypatch):
     slots = torch.tensor([int(bt[0, 39 // 16]) * 16 + 39 % 16, int(bt[1, 0]) * 16 + 8])
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, new_kv=(k, v, slots),
                                    mma_fused_store=False)
-    assert calls[-1][-1] == {"early_loads": "except_last", "maxnreg": None}
+    assert calls[-1][-1] == {"early_loads": "except_last", "maxnreg": None, "qscale": None,
+                             "new_kv": None}
 
 
 def test_mma_fused_query_rotation(monkeypatch):
@@ -195,7 +197,7 @@ def test_mma_fused_query_rotation(monkeypatch):
     # without the fused store a step with new K/V keeps the store + rotation launch
     decode.decode_attention_triton(codec, q, cache, bt, seq_lens, mma_fused_store=False,
                                    new_kv=(k, v, torch.tensor([3, 20])))
-    assert "qscale" not in calls[-1][-1] and calls[-1][1].dtype == torch.float16
+    assert calls[-1][-1]["qscale"] is None and calls[-1][1].dtype == torch.float16
     assert "query" in stores[-1]   # the launch that stores and rotates
     # mma_fused_store (the default): one launch, the decode kernel stores the new token itself
     n_stores = len(stores)

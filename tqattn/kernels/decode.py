@@ -718,25 +718,23 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     if pdl is None:  # the decode kernel starts during the rotation kernel (sm_90+)
         pdl = decode_mma.pdl_supported(q.device)
     qscale = kernel_kv = None
-    qrot_on = new_kv is None if cfg["mma_qrot"] is None else cfg["mma_qrot"]
+    fused_rot = decode_mma.fused_rotation_supported(spec)
+    # one launch: the decode kernel stores the new token (and rotates the query)
     fused_store = (new_kv is not None and cfg["mma_fused_store"] and rows == batch
-                   and decode_mma.fused_rotation_supported(spec)
-                   and decode_mma.fused_store_supported(spec))
-    if fused_store:  # one launch: the decode kernel stores the new token and rotates the query
+                   and fused_rot and decode_mma.fused_store_supported(spec))
+    if fused_store or fused_rot and (new_kv is None if cfg["mma_qrot"] is None
+                                     else cfg["mma_qrot"]):
         qscale = decode_mma.query_rotation(spec, q.device, scale)[1]
         qk = q if q.stride(-1) == 1 else q.contiguous()
-        kernel_kv = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in new_kv[:2]) + (
-            new_kv[2],)
-        pdl = False
-    elif qrot_on and decode_mma.fused_rotation_supported(spec):
-        qscale = decode_mma.query_rotation(spec, q.device, scale)[1]
-        qk = q if q.stride(-1) == 1 else q.contiguous()
-        if new_kv is None:
-            pdl = False  # no kernel of this call before the decode
-        else:
+        if fused_store:
+            kernel_kv = tuple(x if x.stride(-1) == 1 else x.contiguous()
+                              for x in new_kv[:2]) + (new_kv[2],)
+        elif new_kv is not None:
             store.store_kv_triton(spec.codec, *new_kv[:2], kv_cache, new_kv[2],
                                   num_warps=cfg["mma_store_warps"], launch_dependents=pdl,
                                   key_splits=cfg["mma_store_key_splits"])
+        if new_kv is None or fused_store:
+            pdl = False  # no kernel of this call before the decode
     elif new_kv is None:
         qk = decode_mma.rotated_query(spec, q, scale, pdl, cfg["qrot_block"])
     else:
@@ -754,8 +752,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         # took 84 µs at B = 8, 16K; 12: 67 µs)
         per_sm = cfg["mma_programs_per_sm"] or decode_mma.programs_per_sm(
             spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early,
-            cfg["mma_maxnreg"], **({"qscale": qscale} if qscale is not None else {}),
-            **({"new_kv": kernel_kv} if kernel_kv is not None else {}))
+            cfg["mma_maxnreg"], qscale, kernel_kv)
         num_splits = max(1, min(64, per_sm * num_sms(q.device) // (batch * hk)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -764,8 +761,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
     decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
                       num_splits, prefetch, pdl, early_loads=early, maxnreg=cfg["mma_maxnreg"],
-                      **({"qscale": qscale} if qscale is not None else {}),
-                      **({"new_kv": kernel_kv} if kernel_kv is not None else {}))
+                      qscale=qscale, new_kv=kernel_kv)
     return (out, lse) if return_lse else out
 
 

@@ -85,7 +85,7 @@ def _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale):
     of :func:`fused_query_ref`."""
     k = gl.arange(0, 128, layout=gl.SliceLayout(1, _QL))
     n = gl.arange(0, 8, layout=gl.SliceLayout(0, _QL))
-    sk = (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
+    sk = (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)   # operand_coord
     rows = gl.convert_layout(q_rows, gl.SliceLayout(0, _QL))
     ok = gl.convert_layout(hmask, gl.SliceLayout(0, _QL))
     x = gl.load(q_ptr + rows[None, :] + sk[:, None], mask=ok[None, :], other=0.0)
@@ -201,12 +201,17 @@ def _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_
     gl.thread_barrier()
 
 
+def operand_coord(k: torch.Tensor) -> torch.Tensor:
+    """Rotated coordinate of operand column k: σ(k), which swaps bits 1-2 with bits 3-4 (its own
+    inverse; the kernel writes the same bit operations inline)."""
+    return (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
+
+
 def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float) -> torch.Tensor:
     """PyTorch twin of :func:`_fused_query` for q (rows, 128): the same permuted load and the
     same butterflies, in the same order → fp16 (rows, 128), equal to
     ``qrot.rotate_query_ref(q, R[:, σ], scale)`` up to fp32 rounding."""
-    k = torch.arange(128, device=q.device)
-    sk = (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
+    sk = operand_coord(torch.arange(128, device=q.device))
     x = (q.float()[:, sk] * sgn.to(q.device)).T.contiguous()          # [128, rows] as [k, n]
     rows = x.shape[1]
 
@@ -725,8 +730,9 @@ def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, grou
     refers to the kernel before it, e.g. the store of the step's new K/V); new_kv (with qscale):
     (key, value, slot_mapping) of one new token per sequence, which the kernel stores itself
     (STORE: the last split of each group, before reading its tiles); part/plse: split
-    scratch; out (rows, Hq, D) and lse (rows, Hq) or None receive the merged result. pdl: launch as a programmatic dependent of the kernel
-    before it in the stream, which must be the query rotation (the kernel overlaps its prologue
+    scratch; out (rows, Hq, D) and lse (rows, Hq) or None receive the merged result. pdl:
+    launch as a programmatic dependent of the kernel before it in the stream, which must be the
+    query rotation (the kernel overlaps its prologue
     with that kernel and waits for its completion before reading ``qk``; work before the
     rotation kernel is complete when it starts). early_loads: True, the prologue reads the
     cache before that wait; "except_last" when the rotation kernel also stores each sequence's
@@ -768,8 +774,7 @@ def _tables(spec, device) -> tuple:
     if key not in _TABLES:
         kf = spec.key_fields[0]
         words = _asm.lut3_table_words(spec.table[kf.lut:kf.lut + 8].tolist())
-        k = torch.arange(128)
-        coord = 8 * (((k >> 1) & 3) + 4 * ((k >> 5) & 3)) + 2 * ((k >> 3) & 3) + (k & 1)
+        coord = operand_coord(torch.arange(128))
         r = spec.codec.rotation.float().cpu()
         rot = r[:, coord].contiguous()
         sgn = ksgn = None

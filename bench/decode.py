@@ -162,14 +162,16 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune
                 except Exception as e:  # noqa: BLE001 - keep sweeping
                     print(f"  {name} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue
-                rr = {**row, **r, "cfg": cfg}
+                # this config's own output (the row's cos is the default config's)
+                cc = cosines(out, ref)
+                rr = {**row, **r, "cfg": cfg, "cos_cfg": cc[0], "cos_cfg_worst": cc[1]}
                 if fa3_us:
                     rr["x_fa3"] = r["us"] / fa3_us
                 rows.append(rr)
                 gbs = rr["kv_bytes"] / r["us"] / 1e3
                 print(f"  B={b} L={l} D={d} {name:<20} {cfg} {r['us']:.1f}us "
                       f"x_fa3={rr.get('x_fa3', 0):.3f} {gbs:.0f}GB/s {100 * gbs / copy_gbs:.0f}% "
-                      f"cos={cs[0]:.4f}", flush=True)
+                      f"cos={cs[0]:.4f} cos_cfg={cc[0]:.4f} ({cc[1]:.3f})", flush=True)
                 if store:
                     rr.update(_store_times(timers[0], codec, q, cache, bt, seq_lens, out, cfg))
         else:

@@ -362,34 +362,52 @@ def _pages(t, seq_len, bt_row, lane, BS: gl.constexpr):
 
 
 @gluon.jit
+def _load_keys(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
+               KN_OFF: gl.constexpr):
+    """The lane's key words of tile t (pages: :func:`_pages` of t): 12 code words and the
+    2 words of its 8 fp16 key norms."""
+    tg = t * TILE + 8 * (lane // 4)
+    pg = page0 + pages[0].to(gl.int64) * sc_b
+    kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
+    kw = (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
+          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
+          gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
+          gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
+          gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
+    # the lane's 8 scalars of a role are 16 contiguous bytes (offsets are multiples of 16)
+    sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
+    return kw, _load16(sp + KN_OFF // 8)
+
+
+@gluon.jit
+def _load_values(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
+                 VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr):
+    """The lane's value words of tile t: 16 code words, and 2 words each of the fp16 scales
+    and zero points of its score rows (tokens 8g.., in the key row's page)."""
+    tg = t * TILE + 8 * (lane // 4)
+    tt = t * TILE + 16 * (lane % 4)
+    pg = page0 + pages[0].to(gl.int64) * sc_b
+    pv = page0 + pages[1].to(gl.int64) * sc_b
+    vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
+    vw = (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
+          gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
+          gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
+          gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
+          gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
+    sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
+    return vw, _load16(sp + VS_OFF // 8), _load16(sp + VZ_OFF // 8)
+
+
+@gluon.jit
 def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
                KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
                VZ_OFF: gl.constexpr):
     """The lane's raw words of tile t (pages: :func:`_pages` of t): 12 key words, 16 value
     words, 3 × 2 words of fp16 scalars. Pages hold >= 16 tokens and tiles start at page
     boundaries, so each lane reads one page per role."""
-    tg = t * TILE + 8 * (lane // 4)
-    tt = t * TILE + 16 * (lane % 4)
-    pg = page0 + pages[0].to(gl.int64) * sc_b
-    pv = page0 + pages[1].to(gl.int64) * sc_b
-    kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
-    vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
-    sp = pg + 2 * (tg % BS)
-    kw = (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
-          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
-          gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
-          gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
-          gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
-    vw = (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
-          gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
-          gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
-          gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
-          gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
-    # the lane's 8 scalars of a role are 16 contiguous bytes (offsets are multiples of 16)
-    sp = sp.to(gl.pointer_type(gl.int64))
-    sc = (_load16(sp + KN_OFF // 8), _load16(sp + VS_OFF // 8),
-          _load16(sp + VZ_OFF // 8))
-    return kw, vw, sc
+    kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
+    vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
+    return kw, vw, (kn, vs, vz)
 
 
 @gluon.jit
@@ -400,22 +418,38 @@ def _lane_sums(x):
 
 
 @gluon.jit
-def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.constexpr):
-    """One 64-token tile from its raw words: scores, online softmax (rescaled only when a
-    head's running max grows by more than 8 in log2 units, so p ≤ 256), P·V. MASKED: the
-    sequence's last, partial tile."""
-    kn = _row_scalars(sc[0])
-    vs = _row_scalars(sc[1])
-    vz = _row_scalars(sc[2])
+def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr):
+    """A tile's scores (log2 units) from its key words; MASKED: -inf past the sequence."""
     s = mma_v2(_key_operand(kw, tab), qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
-    s = s * kn
+    s = s * _row_scalars(skn)
+    if MASKED:
+        s = gl.where((t * TILE + tau < seq_len)[:, None], s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, MASKED: gl.constexpr,
+            SELECT: gl.constexpr):
+    """Online softmax of a tile's scores (rescaled only when a head's running max grows by
+    more than 8 in log2 units, so p ≤ 256) and P·V from its value words."""
+    vs = _row_scalars(svs)
+    vz = _row_scalars(svz)
     if MASKED:
         ok = (t * TILE + tau < seq_len)[:, None]
-        s = gl.where(ok, s, float("-inf"))
         vs = gl.where(ok, vs, 0.0)
         vz = gl.where(ok, vz, 0.0)
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    if gl.max(m_new - m_i, axis=0) > 8.0:
+    if SELECT:
+        # per head, no branch
+        m_use = gl.where(m_new - m_i > 8.0, m_new, m_i)
+        alpha = gl.exp2(m_i - m_use)
+        acc = acc * alpha[None, :]
+        a2 = gl.max(gl.reshape(gl.zeros([TILE, 8], gl.float32, layout=_MMA) + alpha[None, :],
+                               [8, 8, 8]), axis=0)
+        l_p = l_p * a2
+        z_p = z_p * a2
+        m_i = m_use
+    elif gl.max(m_new - m_i, axis=0) > 8.0:
         alpha = gl.exp2(m_i - m_new)
         acc = acc * alpha[None, :]
         a2 = gl.max(gl.reshape(gl.zeros([TILE, 8], gl.float32, layout=_MMA) + alpha[None, :],
@@ -432,54 +466,56 @@ def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.c
 
 
 @gluon.jit
-def _split_part(po_ptr, plse_ptr, lrow, prow, dd, hm, s, spo_s, NUM_SPLITS):
-    ok = hm & (s < NUM_SPLITS)
-    return (gl.load(plse_ptr + lrow + s, mask=ok, other=float("-inf")),
-            gl.load(po_ptr + (prow + s * spo_s)[:, None] + dd[None, :], mask=ok[:, None],
-                    other=0.0))
+def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.constexpr,
+          SELECT: gl.constexpr):
+    """One 64-token tile from its raw words (:func:`_load_tile`). MASKED: the sequence's last,
+    partial tile."""
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED)
+    return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, MASKED, SELECT)
 
 
 @gluon.jit
 def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s, spl_r, spl_h,
-                 so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr):
-    """The group's split outputs → its final rows (the math of decode._merge_kernel). Loads
-    are batched (all LSEs at once, then 4 splits per step): this runs on the
-    critical path's tail, where one dependent L2 round trip per split would dominate."""
-    hh = gl.arange(0, 8, layout=gl.SliceLayout(1, _ML))
+                 so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr,
+                 DIAG_STEP: gl.constexpr):
+    """The group's split outputs → its final rows (the math of decode._merge_kernel). It runs
+    on the critical path's tail: STEP splits per L2 round trip (all their loads independent),
+    merged online with a running max per head; every lane loads the LSEs itself, so the max
+    needs no cross-lane reduction."""
+    HP: gl.constexpr = 4 if GROUP <= 4 else 8  # a part's rows held per lane: 16 or 32 fp32
+    STEP: gl.constexpr = DIAG_STEP * 32 // HP
+    hh = gl.arange(0, HP, layout=gl.SliceLayout(1, _ML))
     dd = gl.arange(0, 128, layout=gl.SliceLayout(0, _ML))
     heads = kvh * GROUP + hh
     hm = hh < GROUP
-    lrow = b.to(gl.int64) * spl_r + heads * spl_h
-    prow = b.to(gl.int64) * spo_r + heads * spo_h
-    hl = gl.arange(0, 8, layout=gl.SliceLayout(1, _LSE))
-    sl = gl.arange(0, MAX_SPLITS, layout=gl.SliceLayout(0, _LSE))
-    lse_all = gl.load(plse_ptr + (b.to(gl.int64) * spl_r + (kvh * GROUP + hl) * spl_h)[:, None]
-                      + sl[None, :], mask=(hl < GROUP)[:, None] & (sl < NUM_SPLITS)[None, :],
-                      other=float("-inf"))
-    mx = gl.convert_layout(gl.max(lse_all, axis=1), gl.SliceLayout(1, _ML))
-    mx_use = gl.where(mx == float("-inf"), 0.0, mx)
-    acc = gl.zeros([8, 128], gl.float32, layout=_ML)
-    tot = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, _ML))
-    # every split wrote its part (zeros when it had no tokens), so the part loads need no mask
-    # on the weight and all loads of a step are independent
-    for s0 in range(0, NUM_SPLITS, 4):
-        w0, p0 = _split_part(po_ptr, plse_ptr, lrow, prow, dd, hm, s0, spo_s, NUM_SPLITS)
-        w1, p1 = _split_part(po_ptr, plse_ptr, lrow, prow, dd, hm, s0 + 1, spo_s, NUM_SPLITS)
-        w2, p2 = _split_part(po_ptr, plse_ptr, lrow, prow, dd, hm, s0 + 2, spo_s, NUM_SPLITS)
-        w3, p3 = _split_part(po_ptr, plse_ptr, lrow, prow, dd, hm, s0 + 3, spo_s, NUM_SPLITS)
-        w0 = gl.exp(w0 - mx_use)
-        w1 = gl.exp(w1 - mx_use)
-        w2 = gl.exp(w2 - mx_use)
-        w3 = gl.exp(w3 - mx_use)
-        acc += p0 * w0[:, None] + p1 * w1[:, None] + p2 * w2[:, None] + p3 * w3[:, None]
-        tot += w0 + w1 + w2 + w3
+    lp = plse_ptr + b.to(gl.int64) * spl_r + heads * spl_h
+    # part strides come in rows of 128 fp32, so the compiler sees 16-byte aligned rows
+    pp = po_ptr + ((b.to(gl.int64) * spo_r + heads * spo_h) * 128)[:, None] + dd[None, :]
+    m = gl.full([HP], -1.0e30, gl.float32, layout=gl.SliceLayout(1, _ML))
+    tot = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(1, _ML))
+    acc = gl.zeros([HP, 128], gl.float32, layout=_ML)
+    # every split wrote its part (zeros and LSE −inf when it had no tokens)
+    for s0 in range(0, NUM_SPLITS, STEP):
+        m_new = m
+        for j in gl.static_range(STEP):
+            ok = hm & (s0 + j < NUM_SPLITS)
+            m_new = gl.maximum(m_new, gl.load(lp + s0 + j, mask=ok, other=float("-inf")))
+        alpha = gl.exp(m - m_new)
+        acc = acc * alpha[:, None]
+        tot = tot * alpha
+        for j in gl.static_range(STEP):
+            ok = hm & (s0 + j < NUM_SPLITS)
+            w = gl.exp(gl.load(lp + s0 + j, mask=ok, other=float("-inf")) - m_new)
+            acc += gl.load(pp + (s0 + j) * 128, mask=ok[:, None], other=0.0) * w[:, None]
+            tot += w
+        m = m_new
     o = acc / gl.where(tot > 0.0, tot, 1.0)[:, None]
     orow = b.to(gl.int64) * so_r + heads * so_h
     gl.store(out_ptr + orow[:, None] + dd[None, :], o.to(out_ptr.dtype.element_ty),
              mask=hm[:, None])
     if WRITE_LSE:
         gl.store(lse_ptr + b.to(gl.int64) * sl_r + heads,
-                 gl.where(tot > 0.0, mx_use + gl.log(gl.where(tot > 0.0, tot, 1.0)),
+                 gl.where(tot > 0.0, m + gl.log(gl.where(tot > 0.0, tot, 1.0)),
                           float("-inf")), mask=hm)
 
 
@@ -496,7 +532,8 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
                        WRITE_LSE: gl.constexpr, PDL: gl.constexpr, RELOAD_LAST: gl.constexpr,
                        QROT: gl.constexpr, STORE: gl.constexpr, K_LUT: gl.constexpr,
-                       K_BND: gl.constexpr):
+                       K_BND: gl.constexpr, SELECT: gl.constexpr, PIN: gl.constexpr,
+                       BARRIER: gl.constexpr, DIAG_MERGE: gl.constexpr, DIAG_STEP: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HK
@@ -567,28 +604,49 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # 176: bench/results/decode_s6_5_h200_prelim.md vs decode_tune_s6_3_h200_prelim.md)
     if PREFETCH:
         for t in range(t0, t_mid):
-            kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane, BS),
-                                          page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
-                                          VZ_OFF)
-            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                       False)
-            kw, vw, sc = kw_n, vw_n, sc_n
+            if PIN == 2:
+                # each role's words of tile t+1 are loaded once tile t's are consumed
+                s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False)
+                kw, skn = _load_keys(t + 1, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
+                if BARRIER:
+                    gl.thread_barrier()
+                m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p,
+                                             acc, tau, False, SELECT)
+                vw, svs, svz = _load_values(t + 1, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF,
+                                            VZ_OFF)
+                if BARRIER:
+                    gl.thread_barrier()
+                sc = (skn, svs, svz)
+                pages = _pages(t + 2, seq_len, bt_row, lane, BS)
+            else:
+                if PIN == 1:
+                    kw_n, vw_n, sc_n = _load_tile(t + 1, pages, page0, lane, sc_b, BS, K_OFF,
+                                                  KN_OFF, V_OFF, VS_OFF, VZ_OFF)
+                    pages = _pages(t + 2, seq_len, bt_row, lane, BS)
+                else:
+                    kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane,
+                                                                BS),
+                                                  page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
+                                                  VS_OFF, VZ_OFF)
+                m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab,
+                                           tau, False, SELECT)
+                kw, vw, sc = kw_n, vw_n, sc_n
     elif t0 < t_mid:
         m_i, l_p, z_p, acc = _tile(kw, vw, sc, t0, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                   False)
+                                   False, SELECT)
         for t in range(t0 + 1, t_mid):
             kw, vw, sc = _load_tile(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
                                     VS_OFF, VZ_OFF)
             pages = _pages(t + 1, seq_len, bt_row, lane, BS)
             m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                       False)
+                                       False, SELECT)
     if t_mid < t1:
         if not PREFETCH:
             if t0 < t_mid:  # else the words loaded before the wait are this tile's
                 kw, vw, sc = _load_tile(t_mid, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF,
                                         V_OFF, VS_OFF, VZ_OFF)
         m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                   True)
+                                   True, SELECT)
 
     l_i = gl.convert_layout(gl.sum(l_p, axis=0), _HEADS)
     has = l_i > 0.0
@@ -599,20 +657,31 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     heads = gl.arange(0, 8, layout=_HEADS)
     dims = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
     dim = 16 * (dims % 8) + dims // 8
-    po = (b.to(gl.int64) * spo_r + (kvh * GROUP + heads) * spo_h + split * spo_s)
-    gl.store(po_ptr + po[None, :] + dim[:, None], acc * inv[None, :] + z[None, :],
-             mask=(heads < GROUP)[None, :])
-    gl.store(plse_ptr + b * spl_r + (kvh * GROUP + heads) * spl_h + split, lse,
-             mask=heads < GROUP)
-
-    # the group's last split to finish merges (no merge launch): the barrier orders every
-    # lane's stores before the release of the counter; the counter is left at 0 for the next call
-    gl.thread_barrier()
-    done = gl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-    if done == NUM_SPLITS - 1:
-        gl.store(count_ptr + pid, 0)
-        _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s, spl_r,
-                     spl_h, so_r, so_h, sl_r, NUM_SPLITS, GROUP, WRITE_LSE)
+    o = acc * inv[None, :] + z[None, :]
+    if NUM_SPLITS == 1:  # the group's only split: its rows are final
+        orow = b.to(gl.int64) * so_r + (kvh * GROUP + heads) * so_h
+        gl.store(out_ptr + orow[None, :] + dim[:, None], o.to(out_ptr.dtype.element_ty),
+                 mask=(heads < GROUP)[None, :])
+        if WRITE_LSE:
+            gl.store(lse_ptr + b.to(gl.int64) * sl_r + kvh * GROUP + heads, lse,
+                     mask=heads < GROUP)
+    else:
+        po = (b.to(gl.int64) * spo_r + (kvh * GROUP + heads) * spo_h + split * spo_s) * 128
+        gl.store(po_ptr + po[None, :] + dim[:, None], o, mask=(heads < GROUP)[None, :])
+        gl.store(plse_ptr + b * spl_r + (kvh * GROUP + heads) * spl_h + split, lse,
+                 mask=heads < GROUP)
+        # the group's last split to finish merges (no merge launch): the barrier orders every
+        # lane's stores before the release of the counter; the counter is left at 0 for the
+        # next call
+        if DIAG_MERGE > 0:
+            gl.thread_barrier()
+            done = gl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                gl.store(count_ptr + pid, 0)
+                if DIAG_MERGE > 1:
+                    _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s,
+                                 spl_r, spl_h, so_r, so_h, sl_r, NUM_SPLITS, GROUP, WRITE_LSE,
+                                 DIAG_STEP)
 
 
 def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
@@ -626,11 +695,12 @@ def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
 
 
 def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
-          prefetch, pdl, early, maxnreg, qscale=None, new_kv=None):
+          prefetch, pdl, early, maxnreg, qscale=None, new_kv=None, sched=None):
     if prefetch not in (False, True):
         raise ValueError(f"prefetch={prefetch!r}: expected True or False")
     m = spec.meta
     kf = spec.key_fields[0]
+    sched = dict(sched or {})
     groups = seq_lens.numel() * kv_cache.shape[1]
     tables = _tables(spec, qk.device)
     if qscale is not None and tables[2] is None:
@@ -638,8 +708,8 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
                          "R = diag(s)·H/√128")
     lse_arg = lse if lse is not None else plse
     args = (qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
-            block_table, block_table.stride(0), seq_lens, part, part.stride(0), part.stride(1),
-            part.stride(2), plse, plse.stride(0), plse.stride(1), tables[0],
+            block_table, block_table.stride(0), seq_lens, part, part.stride(0) // 128,
+            part.stride(1) // 128, part.stride(2) // 128, plse, plse.stride(0), plse.stride(1), tables[0],
             out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
             _counters(qk.device, groups), num_splits,
             tables[2] if qscale is not None else tables[0], float(qscale or 0.0))
@@ -662,8 +732,12 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
                 VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch,
                 WRITE_LSE=lse is not None, PDL=pdl, RELOAD_LAST=pdl and EARLY_LOADS[early],
                 QROT=qscale is not None, STORE=new_kv is not None, K_LUT=kf.lut, K_BND=kf.bnd,
-                launch_pdl=pdl, num_warps=1,
-                maxnreg=maxnreg or MAXNREG[prefetch])
+                SELECT=bool(sched.get("select")), PIN=int(sched.get("pin", 0)),
+                BARRIER=bool(sched.get("barrier")), DIAG_MERGE=int(sched.get("merge", 2)),
+                DIAG_STEP=int(sched.get("step", 1)), launch_pdl=pdl, num_warps=1,
+                maxnreg=maxnreg or sched.get("maxnreg") or MAXNREG[prefetch])
+    if sched.get("regusage") is not None:
+        meta["ptx_options"] = f"--register-usage-level={int(sched['regusage'])}"
     return args, meta
 
 
@@ -679,17 +753,19 @@ _RESIDENT: dict = {}
 
 def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool,
                     pdl: bool, early_loads: bool | str, maxnreg: int | None = None,
-                    qscale: float | None = None, new_kv: tuple | None = None) -> int:
+                    qscale: float | None = None, new_kv: tuple | None = None,
+                    sched: dict | None = None) -> int:
     """One-warp programs an SM holds at once, from the register count of the kernel variant
     that :func:`launch` runs with these flags (the split count fills one wave of them)."""
     key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, maxnreg, qk.dtype,
-           str(qk.device), qscale is not None, new_kv is not None)
+           str(qk.device), qscale is not None, new_kv is not None,
+           tuple(sorted((sched or {}).items())))
     if key not in _RESIDENT:
         part = torch.empty(*qk.shape[:2], 16, qk.shape[2], device=qk.device)
         plse = torch.empty(*qk.shape[:2], 16, device=qk.device)
         out = torch.empty(qk.shape, dtype=torch.bfloat16, device=qk.device)
         args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, None,
-                           group, 16, prefetch, pdl, early_loads, maxnreg, qscale, new_kv)
+                           group, 16, prefetch, pdl, early_loads, maxnreg, qscale, new_kv, sched)
         kernel = _decode_mma_kernel.warmup(*args, grid=(1, 1), **meta)
         try:
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
@@ -724,7 +800,8 @@ def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False,
 def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
            num_splits: int, prefetch: bool = True, pdl: bool = False,
            early_loads: bool | str = True, maxnreg: int | None = None,
-           qscale: float | None = None, new_kv: tuple | None = None) -> None:
+           qscale: float | None = None, new_kv: tuple | None = None,
+           sched: dict | None = None) -> None:
     """qk: :func:`rotated_query`, or with ``qscale`` (the softmax scale times log2(e)) the raw
     query, which the kernel rotates itself (QROT, :func:`fused_rotation_supported`; pdl then
     refers to the kernel before it, e.g. the store of the step's new K/V); new_kv (with qscale):
@@ -740,10 +817,12 @@ def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, grou
     (None: :data:`MAXNREG` of the prefetch mode)."""
     if out.stride(-1) != 1:
         raise ValueError(f"out must have a contiguous last dimension, strides {out.stride()}")
+    if part.stride(-1) != 1 or any(x % 128 for x in part.stride()[:3]):
+        raise ValueError(f"part: rows of 128 contiguous fp32 expected, strides {part.stride()}")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits}: the tensor-core kernel merges 1..{MAX_SPLITS}")
     args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                       num_splits, prefetch, pdl, early_loads, maxnreg, qscale, new_kv)
+                       num_splits, prefetch, pdl, early_loads, maxnreg, qscale, new_kv, sched)
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
 
 

@@ -83,8 +83,7 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
 
 
 def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
-                reload_last: bool = False, qrot: bool = False, store: bool = False,
-                select: bool = False):
+                reload_last: bool = False, qrot: bool = False, store: bool = False):
     """Compile kernels/decode_mma.py's kernel for sm_90 (turboquant_k3v4_nc, head size 128) as
     the dispatch launches it (1 warp, the register cap of its prefetch mode)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -95,7 +94,7 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
     fn = decode_mma._decode_mma_kernel
     cex = dict(GROUP=group, HK=8, BS=block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
                V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
-               PREFETCH=prefetch, WRITE_LSE=False, PDL=not store, RELOAD_LAST=reload_last, SELECT=select, PIN=int(os.environ.get('PIN', 0)), BARRIER=bool(os.environ.get('BAR')), DIAG_MERGE=2, DIAG_STEP=int(os.environ.get('STEP', 1)),
+               PREFETCH=prefetch, WRITE_LSE=False, PDL=not store, RELOAD_LAST=reload_last,
                QROT=qrot or store, STORE=store, K_LUT=kf.lut, K_BND=kf.bnd)
     ptrs = {"q_ptr": "*bf16" if qrot or store else "*fp16", "sgn_ptr": "*fp32",
             "kn_ptr": "*bf16", "vn_ptr": "*bf16", "slot_ptr": "*i64", "ftab_ptr": "*fp32",
@@ -106,9 +105,8 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
                                     {"sq_r", "sq_h", "sc_b", "sc_h", "sbt"})
     kernel = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 1, "maxnreg": int(os.environ.get("MAXNREG", decode_mma.MAXNREG[prefetch])),
-                                     "launch_pdl": True,
-                                     **({"ptx_options": os.environ["PTXO"]} if os.environ.get("PTXO") else {})})
+                            options={"num_warps": 1, "maxnreg": decode_mma.MAXNREG[prefetch],
+                                     "launch_pdl": True})
     return kernel, {"num_warps": 1, "BLOCK_N": decode_mma.TILE.value}
 
 

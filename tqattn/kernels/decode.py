@@ -645,8 +645,7 @@ DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_program
             "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
             "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
             "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None,
-            "mma_store_key_splits": None, "mma_qrot": None, "mma_fused_store": True,
-            "mma_sched": None}
+            "mma_store_key_splits": None, "mma_qrot": None, "mma_fused_store": True}
 
 
 def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
@@ -753,7 +752,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
         # took 84 µs at B = 8, 16K; 12: 67 µs)
         per_sm = cfg["mma_programs_per_sm"] or decode_mma.programs_per_sm(
             spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early,
-            cfg["mma_maxnreg"], qscale, kernel_kv, cfg["mma_sched"])
+            cfg["mma_maxnreg"], qscale, kernel_kv)
         num_splits = max(1, min(64, per_sm * num_sms(q.device) // (batch * hk)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -762,7 +761,7 @@ def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
     decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
                       num_splits, prefetch, pdl, early_loads=early, maxnreg=cfg["mma_maxnreg"],
-                      qscale=qscale, new_kv=kernel_kv, sched=cfg["mma_sched"])
+                      qscale=qscale, new_kv=kernel_kv)
     return (out, lse) if return_lse else out
 
 

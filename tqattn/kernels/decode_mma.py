@@ -38,7 +38,7 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
 programs that the compiled kernel's registers let an SM hold (programs_per_sm), splits differ
 by at most one tile; by default the words of tile t+1 are loaded while tile t is computed
-(198 registers, 8 programs per SM; without: 161, 12 per SM — slower at every shape measured).
+(229 registers, 8 programs per SM; without: 161, 12 per SM — slower at every shape measured).
 Without QROT / STORE, programmatic dependent launch (sm_90+) lets the kernel's prologue overlap
 the query rotation kernel (and the store of a decode step's new K/V, launched with it).
 Measured (H200): bench/results/decode_h200_s11.md.
@@ -428,8 +428,7 @@ def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, MASKED: gl.constexpr,
-            SELECT: gl.constexpr):
+def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, MASKED: gl.constexpr):
     """Online softmax of a tile's scores (rescaled only when a head's running max grows by
     more than 8 in log2 units, so p ≤ 256) and P·V from its value words."""
     vs = _row_scalars(svs)
@@ -439,17 +438,7 @@ def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, MASKED: gl.con
         vs = gl.where(ok, vs, 0.0)
         vz = gl.where(ok, vz, 0.0)
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
-    if SELECT:
-        # per head, no branch
-        m_use = gl.where(m_new - m_i > 8.0, m_new, m_i)
-        alpha = gl.exp2(m_i - m_use)
-        acc = acc * alpha[None, :]
-        a2 = gl.max(gl.reshape(gl.zeros([TILE, 8], gl.float32, layout=_MMA) + alpha[None, :],
-                               [8, 8, 8]), axis=0)
-        l_p = l_p * a2
-        z_p = z_p * a2
-        m_i = m_use
-    elif gl.max(m_new - m_i, axis=0) > 8.0:
+    if gl.max(m_new - m_i, axis=0) > 8.0:
         alpha = gl.exp2(m_i - m_new)
         acc = acc * alpha[None, :]
         a2 = gl.max(gl.reshape(gl.zeros([TILE, 8], gl.float32, layout=_MMA) + alpha[None, :],
@@ -466,24 +455,22 @@ def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, MASKED: gl.con
 
 
 @gluon.jit
-def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.constexpr,
-          SELECT: gl.constexpr):
+def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.constexpr):
     """One 64-token tile from its raw words (:func:`_load_tile`). MASKED: the sequence's last,
     partial tile."""
     s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED)
-    return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, MASKED, SELECT)
+    return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, MASKED)
 
 
 @gluon.jit
 def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s, spl_r, spl_h,
-                 so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr,
-                 DIAG_STEP: gl.constexpr):
+                 so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr):
     """The group's split outputs → its final rows (the math of decode._merge_kernel). It runs
     on the critical path's tail: STEP splits per L2 round trip (all their loads independent),
     merged online with a running max per head; every lane loads the LSEs itself, so the max
     needs no cross-lane reduction."""
     HP: gl.constexpr = 4 if GROUP <= 4 else 8  # a part's rows held per lane: 16 or 32 fp32
-    STEP: gl.constexpr = DIAG_STEP * 32 // HP
+    STEP: gl.constexpr = 32 // HP
     hh = gl.arange(0, HP, layout=gl.SliceLayout(1, _ML))
     dd = gl.arange(0, 128, layout=gl.SliceLayout(0, _ML))
     heads = kvh * GROUP + hh
@@ -532,8 +519,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
                        WRITE_LSE: gl.constexpr, PDL: gl.constexpr, RELOAD_LAST: gl.constexpr,
                        QROT: gl.constexpr, STORE: gl.constexpr, K_LUT: gl.constexpr,
-                       K_BND: gl.constexpr, SELECT: gl.constexpr, PIN: gl.constexpr,
-                       BARRIER: gl.constexpr, DIAG_MERGE: gl.constexpr, DIAG_STEP: gl.constexpr):
+                       K_BND: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // HK
@@ -598,55 +584,41 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
     z_p = l_p
     acc = gl.zeros([128, 8], gl.float32, layout=_MMA)
-    # PREFETCH: the words of tile t+1 are in flight while tile t is computed; else each tile
-    # loads its own, except the first (loaded before the wait: its tile is peeled)
-    # (with the page indices one tile ahead here too, B = 32 at 16K measured 202 µs instead of
-    # 176: bench/results/decode_s6_5_h200_prelim.md vs decode_tune_s6_3_h200_prelim.md)
+    # PREFETCH: the words of tile t+1 are in flight while tile t is computed, each role's loaded
+    # once tile t's words of that role are consumed (keys after the scores, values after P·V),
+    # with the page indices a tile further ahead, so the loads wait for nothing. The barriers
+    # (one warp: no waiting) pin the loads there: ptxas otherwise sinks them to the end of the
+    # loop body, ~300 instructions before their use, less than the HBM latency (session 12:
+    # bench/results/decode_tune_s12_*). Else each tile loads its own, except the first (loaded
+    # before the wait: its tile is peeled)
     if PREFETCH:
         for t in range(t0, t_mid):
-            if PIN == 2:
-                # each role's words of tile t+1 are loaded once tile t's are consumed
-                s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False)
-                kw, skn = _load_keys(t + 1, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
-                if BARRIER:
-                    gl.thread_barrier()
-                m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p,
-                                             acc, tau, False, SELECT)
-                vw, svs, svz = _load_values(t + 1, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF,
-                                            VZ_OFF)
-                if BARRIER:
-                    gl.thread_barrier()
-                sc = (skn, svs, svz)
-                pages = _pages(t + 2, seq_len, bt_row, lane, BS)
-            else:
-                if PIN == 1:
-                    kw_n, vw_n, sc_n = _load_tile(t + 1, pages, page0, lane, sc_b, BS, K_OFF,
-                                                  KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-                    pages = _pages(t + 2, seq_len, bt_row, lane, BS)
-                else:
-                    kw_n, vw_n, sc_n = _load_tile(t + 1, _pages(t + 1, seq_len, bt_row, lane,
-                                                                BS),
-                                                  page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
-                                                  VS_OFF, VZ_OFF)
-                m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab,
-                                           tau, False, SELECT)
-                kw, vw, sc = kw_n, vw_n, sc_n
+            s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False)
+            kw, skn = _load_keys(t + 1, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
+            gl.thread_barrier()
+            m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc,
+                                         tau, False)
+            vw, svs, svz = _load_values(t + 1, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF,
+                                        VZ_OFF)
+            gl.thread_barrier()
+            sc = (skn, svs, svz)
+            pages = _pages(t + 2, seq_len, bt_row, lane, BS)
     elif t0 < t_mid:
         m_i, l_p, z_p, acc = _tile(kw, vw, sc, t0, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                   False, SELECT)
+                                   False)
         for t in range(t0 + 1, t_mid):
             kw, vw, sc = _load_tile(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
                                     VS_OFF, VZ_OFF)
             pages = _pages(t + 1, seq_len, bt_row, lane, BS)
             m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                       False, SELECT)
+                                       False)
     if t_mid < t1:
         if not PREFETCH:
             if t0 < t_mid:  # else the words loaded before the wait are this tile's
                 kw, vw, sc = _load_tile(t_mid, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF,
                                         V_OFF, VS_OFF, VZ_OFF)
         m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                   True, SELECT)
+                                   True)
 
     l_i = gl.convert_layout(gl.sum(l_p, axis=0), _HEADS)
     has = l_i > 0.0
@@ -673,15 +645,12 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         # the group's last split to finish merges (no merge launch): the barrier orders every
         # lane's stores before the release of the counter; the counter is left at 0 for the
         # next call
-        if DIAG_MERGE > 0:
-            gl.thread_barrier()
-            done = gl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
-                gl.store(count_ptr + pid, 0)
-                if DIAG_MERGE > 1:
-                    _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s,
-                                 spl_r, spl_h, so_r, so_h, sl_r, NUM_SPLITS, GROUP, WRITE_LSE,
-                                 DIAG_STEP)
+        gl.thread_barrier()
+        done = gl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS - 1:
+            gl.store(count_ptr + pid, 0)
+            _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s, spl_r,
+                         spl_h, so_r, so_h, sl_r, NUM_SPLITS, GROUP, WRITE_LSE)
 
 
 def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
@@ -695,12 +664,11 @@ def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
 
 
 def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
-          prefetch, pdl, early, maxnreg, qscale=None, new_kv=None, sched=None):
+          prefetch, pdl, early, maxnreg, qscale=None, new_kv=None):
     if prefetch not in (False, True):
         raise ValueError(f"prefetch={prefetch!r}: expected True or False")
     m = spec.meta
     kf = spec.key_fields[0]
-    sched = dict(sched or {})
     groups = seq_lens.numel() * kv_cache.shape[1]
     tables = _tables(spec, qk.device)
     if qscale is not None and tables[2] is None:
@@ -732,12 +700,7 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
                 VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch,
                 WRITE_LSE=lse is not None, PDL=pdl, RELOAD_LAST=pdl and EARLY_LOADS[early],
                 QROT=qscale is not None, STORE=new_kv is not None, K_LUT=kf.lut, K_BND=kf.bnd,
-                SELECT=bool(sched.get("select")), PIN=int(sched.get("pin", 0)),
-                BARRIER=bool(sched.get("barrier")), DIAG_MERGE=int(sched.get("merge", 2)),
-                DIAG_STEP=int(sched.get("step", 1)), launch_pdl=pdl, num_warps=1,
-                maxnreg=maxnreg or sched.get("maxnreg") or MAXNREG[prefetch])
-    if sched.get("regusage") is not None:
-        meta["ptx_options"] = f"--register-usage-level={int(sched['regusage'])}"
+                launch_pdl=pdl, num_warps=1, maxnreg=maxnreg or MAXNREG[prefetch])
     return args, meta
 
 
@@ -746,26 +709,25 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
 EARLY_LOADS = {True: False, "except_last": True}
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
-# SM without prefetch (161 registers), 8 with the prefetched words of the next tile (198)
-MAXNREG = {False: 168, True: 216}
+# SM without prefetch (161 registers), 8 with the prefetched words of the next tile (229; any
+# count up to 256 keeps 8: two warps per 16K-register bank)
+MAXNREG = {False: 168, True: 255}
 _RESIDENT: dict = {}
 
 
 def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool,
                     pdl: bool, early_loads: bool | str, maxnreg: int | None = None,
-                    qscale: float | None = None, new_kv: tuple | None = None,
-                    sched: dict | None = None) -> int:
+                    qscale: float | None = None, new_kv: tuple | None = None) -> int:
     """One-warp programs an SM holds at once, from the register count of the kernel variant
     that :func:`launch` runs with these flags (the split count fills one wave of them)."""
     key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, maxnreg, qk.dtype,
-           str(qk.device), qscale is not None, new_kv is not None,
-           tuple(sorted((sched or {}).items())))
+           str(qk.device), qscale is not None, new_kv is not None)
     if key not in _RESIDENT:
         part = torch.empty(*qk.shape[:2], 16, qk.shape[2], device=qk.device)
         plse = torch.empty(*qk.shape[:2], 16, device=qk.device)
         out = torch.empty(qk.shape, dtype=torch.bfloat16, device=qk.device)
         args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, None,
-                           group, 16, prefetch, pdl, early_loads, maxnreg, qscale, new_kv, sched)
+                           group, 16, prefetch, pdl, early_loads, maxnreg, qscale, new_kv)
         kernel = _decode_mma_kernel.warmup(*args, grid=(1, 1), **meta)
         try:
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
@@ -800,8 +762,7 @@ def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False,
 def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
            num_splits: int, prefetch: bool = True, pdl: bool = False,
            early_loads: bool | str = True, maxnreg: int | None = None,
-           qscale: float | None = None, new_kv: tuple | None = None,
-           sched: dict | None = None) -> None:
+           qscale: float | None = None, new_kv: tuple | None = None) -> None:
     """qk: :func:`rotated_query`, or with ``qscale`` (the softmax scale times log2(e)) the raw
     query, which the kernel rotates itself (QROT, :func:`fused_rotation_supported`; pdl then
     refers to the kernel before it, e.g. the store of the step's new K/V); new_kv (with qscale):
@@ -822,7 +783,7 @@ def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, grou
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits}: the tensor-core kernel merges 1..{MAX_SPLITS}")
     args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                       num_splits, prefetch, pdl, early_loads, maxnreg, qscale, new_kv, sched)
+                       num_splits, prefetch, pdl, early_loads, maxnreg, qscale, new_kv)
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
 
 

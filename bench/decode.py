@@ -157,6 +157,7 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune
             configs = tune or [{}]
             for cfg in configs:
                 fn = lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out, **cfg)  # noqa: E731
+                out.fill_(float("nan"))  # cos_cfg below must see this config's output
                 try:
                     r = timed_all(timers, fn)
                 except Exception as e:  # noqa: BLE001 - keep sweeping

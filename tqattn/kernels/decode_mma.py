@@ -493,7 +493,7 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s
         for j in gl.static_range(STEP):
             ok = hm & (s0 + j < NUM_SPLITS)
             w = gl.exp(gl.load(lp + s0 + j, mask=ok, other=float("-inf")) - m_new)
-            acc += gl.load(pp + (s0 + j) * 128, mask=ok[:, None], other=0.0) * w[:, None]
+            acc += gl.load(pp + (s0 + j) * spo_s * 128, mask=ok[:, None], other=0.0) * w[:, None]
             tot += w
         m = m_new
     o = acc / gl.where(tot > 0.0, tot, 1.0)[:, None]

@@ -38,10 +38,10 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
 programs that the compiled kernel's registers let an SM hold (programs_per_sm), splits differ
 by at most one tile; by default the words of tile t+1 are loaded while tile t is computed
-(229 registers, 8 programs per SM; without: 161, 12 per SM — slower at every shape measured).
+(229 registers, 8 programs per SM; without: 168, 12 per SM — slower at every shape measured).
 Without QROT / STORE, programmatic dependent launch (sm_90+) lets the kernel's prologue overlap
 the query rotation kernel (and the store of a decode step's new K/V, launched with it).
-Measured (H200): bench/results/decode_h200_s11.md.
+Measured (H200): bench/results/decode_h200_s12.md.
 """
 from __future__ import annotations
 
@@ -61,7 +61,6 @@ _OP_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA.value, k_w
 _LANE = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 _PAIR = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0]))  # 16 bytes per lane
 _ML = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))     # [8 heads, 128] merge
-_LSE = gl.constexpr(gl.BlockedLayout([1, 2], [1, 32], [1, 1], [1, 0]))    # [8 heads, 64 splits]
 MAX_SPLITS = gl.constexpr(64)
 _QL = gl.constexpr(gl.BlockedLayout([32, 1], [4, 8], [1, 1], [0, 1]))    # [128, 8] query: 32 k each
 _ROWS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
@@ -676,8 +675,9 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
                          "R = diag(s)·H/√128")
     lse_arg = lse if lse is not None else plse
     args = (qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
-            block_table, block_table.stride(0), seq_lens, part, part.stride(0) // 128,
-            part.stride(1) // 128, part.stride(2) // 128, plse, plse.stride(0), plse.stride(1), tables[0],
+            block_table, block_table.stride(0), seq_lens,
+            part, part.stride(0) // 128, part.stride(1) // 128, part.stride(2) // 128,
+            plse, plse.stride(0), plse.stride(1), tables[0],
             out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
             _counters(qk.device, groups), num_splits,
             tables[2] if qscale is not None else tables[0], float(qscale or 0.0))
@@ -709,7 +709,7 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
 EARLY_LOADS = {True: False, "except_last": True}
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
-# SM without prefetch (161 registers), 8 with the prefetched words of the next tile (229; any
+# SM without prefetch (168 registers), 8 with the prefetched words of the next tile (229; any
 # count up to 256 keeps 8: two warps per 16K-register bank)
 MAXNREG = {False: 168, True: 255}
 _RESIDENT: dict = {}

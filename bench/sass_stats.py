@@ -83,7 +83,8 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
 
 
 def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
-                reload_last: bool = False, qrot: bool = False, store: bool = False):
+                reload_last: bool = False, qrot: bool = False, store: bool = False,
+                claim: bool = False):
     """Compile kernels/decode_mma.py's kernel for sm_90 (turboquant_k3v4_nc, head size 128) as
     the dispatch launches it (1 warp, the register cap of its prefetch mode)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -95,12 +96,13 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
     cex = dict(GROUP=group, HK=8, BS=block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
                V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
                PREFETCH=prefetch, WRITE_LSE=False, PDL=not store, RELOAD_LAST=reload_last,
-               QROT=qrot or store, STORE=store, K_LUT=kf.lut, K_BND=kf.bnd)
+               QROT=qrot or store, STORE=store, K_LUT=kf.lut, K_BND=kf.bnd, TIMELINE=False,
+               CLAIM=claim)
     ptrs = {"q_ptr": "*bf16" if qrot or store else "*fp16", "sgn_ptr": "*fp32",
             "kn_ptr": "*bf16", "vn_ptr": "*bf16", "slot_ptr": "*i64", "ftab_ptr": "*fp32",
             "ksgn_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
             "po_ptr": "*fp32", "plse_ptr": "*fp32", "tab_ptr": "*i32", "out_ptr": "*bf16",
-            "lse_ptr": "*fp32", "count_ptr": "*i32"}
+            "lse_ptr": "*fp32", "count_ptr": "*i32", "tl_ptr": "*i64"}
     sig, consts, attrs = _signature(list(inspect.signature(fn.fn).parameters), cex, ptrs,
                                     {"sq_r", "sq_h", "sc_b", "sc_h", "sbt"})
     kernel = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
@@ -192,10 +194,12 @@ def main():
                     help="--mma: the variant that also stores the step's new token")
     ap.add_argument("--reload-last", action="store_true",
                     help="--mma: the variant of decode steps that store new K/V")
+    ap.add_argument("--claim", action="store_true",
+                    help="--mma: the variant whose programs claim tiles (CLAIM_SPLITS+ splits)")
     args = ap.parse_args()
     if args.mma:
         kernel, cex = compile_mma(args.prefetch, args.group, reload_last=args.reload_last,
-                                  qrot=args.qrot, store=args.store)
+                                  qrot=args.qrot, store=args.store, claim=args.claim)
         st = loop_stats(*disassemble(kernel.asm["cubin"]))
         res = resources(kernel.asm["cubin"])
         st.update(resources=res, programs_per_sm=occupancy(res, 1, kernel.metadata.shared),

@@ -211,3 +211,16 @@ def test_mma_fused_query_rotation(monkeypatch):
     with pytest.raises(ValueError, match="prefetch="):
         decode_mma._args(spec, q, cache, bt, seq_lens, None, None, None, None, 4, 1, "bogus",
                          False, True, None)
+
+
+def test_mma_timeline_buffer_checked():
+    """The per-program timeline (a diagnostic of the tensor-core kernel) takes int64 [n, 8]
+    only, and is off again after its block."""
+    from tqattn.kernels import decode_mma
+    with pytest.raises(ValueError, match="int64"):
+        with decode_mma.recording_timeline(torch.zeros(4, 8, dtype=torch.int32)):
+            pass
+    buf = torch.zeros(4, 8, dtype=torch.int64)
+    with decode_mma.recording_timeline(buf) as got:
+        assert got is buf and decode_mma._TIMELINE[0] is buf
+    assert decode_mma._TIMELINE[0] is None

@@ -36,14 +36,20 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
   256x more).
 
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
-programs that the compiled kernel's registers let an SM hold (programs_per_sm), splits differ
-by at most one tile; by default the words of tile t+1 are loaded while tile t is computed
-(229 registers, 8 programs per SM; without: 168, 12 per SM — slower at every shape measured).
-Without QROT / STORE, programmatic dependent launch (sm_90+) lets the kernel's prologue overlap
-the query rotation kernel (and the store of a decode step's new K/V, launched with it).
-Measured (H200): bench/results/decode_h200_s12.md.
+programs that the compiled kernel's registers let an SM hold (programs_per_sm). Below
+CLAIM_SPLITS splits per group each split takes a fixed range of tiles (sizes differ by at most
+one tile); from there on the programs of a group claim tiles from a counter, since the older
+of the two programs on an SM scheduler runs ~30 % faster than the younger. By default the
+words of the next tile are loaded while a tile is computed (≤ 255 registers, 8 programs per
+SM; without: 168, 12 per SM — slower at every shape measured). Without QROT / STORE,
+programmatic dependent launch (sm_90+) lets the kernel's prologue overlap the query rotation
+kernel (and the store of a decode step's new K/V, launched with it).
+Measured (H200): bench/results/decode_h200_s13.md; per-program timelines: recording_timeline,
+bench/decode_timeline.py.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from triton.experimental import gluon
@@ -461,48 +467,138 @@ def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.c
     return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, MASKED)
 
 
+INV = gl.constexpr(1 << 24)  # "no tile" (its tokens 64·INV.. lie past any sequence)
+
+
+@gluon.jit
+def _pool_tile(p, n_pool, end_t):
+    """Tile p of the claimable pool (all tiles but the sequence's last), or past the pool
+    end_t: the sequence's last tile for the last split, else INV."""
+    return gl.where(p < n_pool, p, end_t)
+
+
+@gluon.jit
+def _claim(claim_ptr, lane_id):
+    """A claim on the group's next pool tile: lane 0's atomic increment of the counter
+    (relaxed: nothing else is ordered by it), whose result is read a tile later
+    (:func:`_next_tile`), so its latency hides behind a tile's work."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.eq.u32 p, $2, 0; mov.u32 $0, 0; "
+        "@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }",
+        "=r,l,r", [claim_ptr, lane_id], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _next_tile(cl, claim_ptr, lane_id, n_pool, end_t, NUM_SPLITS):
+    """(the tile that claim cl gives — after each program's two static tiles, pool tiles
+    2·NUM_SPLITS + k in claim order —, the next claim)."""
+    k = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;",
+                                  "=r,r", [cl], dtype=gl.int32, is_pure=True, pack=1)
+    return _pool_tile(2 * NUM_SPLITS + k, n_pool, end_t), _claim(claim_ptr, lane_id)
+
+
+@gluon.jit
+def _step(kw, vw, sc, t, tn, pages, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, page0, lane, sc_b,
+          BS: gl.constexpr, K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
+          VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, MASKED: gl.constexpr):
+    """PREFETCH: tile t from its words while the words of tile tn (pages: its page indices)
+    are loaded, each role's as soon as t's words of that role are consumed."""
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED)
+    kw, skn = _load_keys(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
+    gl.thread_barrier()
+    m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau,
+                                 MASKED)
+    vw, svs, svz = _load_values(tn, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
+    gl.thread_barrier()
+    return m_i, l_p, z_p, acc, kw, vw, (skn, svs, svz)
+
+
+# TIMELINE (bench/decode_timeline.py): each program writes int64 [8] at its linear index
+# (pid · NUM_SPLITS + split): %globaltimer (ns) at its start, after its tiles (and its split
+# output's stores), after the split counter's atomic, at its end; its SM id; the counter's old
+# value; unused; its warp slot in the SM (%warpid)
+@gluon.jit
+def _globaltimer():
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _warpid():
+    return gl.inline_asm_elementwise("mov.u32 $0, %warpid;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _smid():
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+_MS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 1, 1], [2, 1, 0]))  # merge step
+
+
 @gluon.jit
 def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s, spl_r, spl_h,
-                 so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr):
+                  so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr):
     """The group's split outputs → its final rows (the math of decode._merge_kernel). It runs
-    on the critical path's tail: STEP splits per L2 round trip (all their loads independent),
-    merged online with a running max per head; every lane loads the LSEs itself, so the max
-    needs no cross-lane reduction."""
-    HP: gl.constexpr = 4 if GROUP <= 4 else 8  # a part's rows held per lane: 16 or 32 fp32
+    on the critical path's tail: STEP splits per L2 round trip (their LSEs and parts loaded
+    together), merged online with a running max per head; every lane loads the LSEs itself, so
+    the max needs no cross-lane reduction."""
+    HP: gl.constexpr = 4 if GROUP <= 4 else 8
     STEP: gl.constexpr = 32 // HP
-    hh = gl.arange(0, HP, layout=gl.SliceLayout(1, _ML))
-    dd = gl.arange(0, 128, layout=gl.SliceLayout(0, _ML))
-    heads = kvh * GROUP + hh
+    L2D: gl.constexpr = gl.SliceLayout(2, _MS)   # [STEP, HP]
+    P2: gl.constexpr = gl.SliceLayout(0, _MS)    # [HP, 128]
+    LH: gl.constexpr = gl.SliceLayout(0, L2D)
+    RH: gl.constexpr = gl.SliceLayout(1, P2)
+    jj = gl.arange(0, STEP, layout=gl.SliceLayout(1, L2D))
+    hh = gl.arange(0, HP, layout=LH)
+    hr = gl.arange(0, HP, layout=RH)
+    dd = gl.arange(0, 128, layout=gl.SliceLayout(0, P2))
     hm = hh < GROUP
-    lp = plse_ptr + b.to(gl.int64) * spl_r + heads * spl_h
-    # part strides come in rows of 128 fp32, so the compiler sees 16-byte aligned rows
-    pp = po_ptr + ((b.to(gl.int64) * spo_r + heads * spo_h) * 128)[:, None] + dd[None, :]
-    m = gl.full([HP], -1.0e30, gl.float32, layout=gl.SliceLayout(1, _ML))
-    tot = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(1, _ML))
-    acc = gl.zeros([HP, 128], gl.float32, layout=_ML)
-    # every split wrote its part (zeros and LSE −inf when it had no tokens)
+    lp = plse_ptr + b.to(gl.int64) * spl_r + (kvh * GROUP + hh) * spl_h
+    pp = po_ptr + ((b.to(gl.int64) * spo_r + (kvh * GROUP + hr) * spo_h) * 128)[:, None] + \
+        dd[None, :]
+    m = gl.full([HP], -1.0e30, gl.float32, layout=LH)
+    tot = gl.zeros([HP], gl.float32, layout=LH)
+    acc = gl.zeros([HP, 128], gl.float32, layout=P2)
     for s0 in range(0, NUM_SPLITS, STEP):
-        m_new = m
-        for j in gl.static_range(STEP):
-            ok = hm & (s0 + j < NUM_SPLITS)
-            m_new = gl.maximum(m_new, gl.load(lp + s0 + j, mask=ok, other=float("-inf")))
+        sj = s0 + jj
+        ok = (sj < NUM_SPLITS)[:, None] & hm[None, :]
+        lse_j = gl.load(lp[None, :] + sj[:, None], mask=ok, other=float("-inf"))
+        x = gl.load(pp[None, :, :] + (sj.to(gl.int64) * spo_s * 128)[:, None, None],
+                    mask=ok[:, :, None], other=0.0)
+        m_new = gl.maximum(m, gl.max(lse_j, axis=0))
         alpha = gl.exp(m - m_new)
-        acc = acc * alpha[:, None]
-        tot = tot * alpha
-        for j in gl.static_range(STEP):
-            ok = hm & (s0 + j < NUM_SPLITS)
-            w = gl.exp(gl.load(lp + s0 + j, mask=ok, other=float("-inf")) - m_new)
-            acc += gl.load(pp + (s0 + j) * spo_s * 128, mask=ok[:, None], other=0.0) * w[:, None]
-            tot += w
+        w = gl.exp(lse_j - m_new[None, :])
+        acc = acc * gl.convert_layout(alpha, RH)[:, None] + gl.sum(x * w[:, :, None], axis=0)
+        tot = tot * alpha + gl.sum(w, axis=0)
         m = m_new
-    o = acc / gl.where(tot > 0.0, tot, 1.0)[:, None]
-    orow = b.to(gl.int64) * so_r + heads * so_h
+    o = acc / gl.convert_layout(gl.where(tot > 0.0, tot, 1.0), RH)[:, None]
+    orow = b.to(gl.int64) * so_r + (kvh * GROUP + hr) * so_h
     gl.store(out_ptr + orow[:, None] + dd[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=hm[:, None])
+             mask=(hr < GROUP)[:, None])
     if WRITE_LSE:
-        gl.store(lse_ptr + b.to(gl.int64) * sl_r + heads,
+        gl.store(lse_ptr + b.to(gl.int64) * sl_r + kvh * GROUP + hh,
                  gl.where(tot > 0.0, m + gl.log(gl.where(tot > 0.0, tot, 1.0)),
                           float("-inf")), mask=hm)
+
+
+_TIMELINE: list = [None]
+
+
+@contextlib.contextmanager
+def recording_timeline(buf: torch.Tensor):
+    """Within the block, launches write their programs' timestamps (see TIMELINE above) into
+    buf (int64, [≥ programs, 8]); a diagnostic that leaves the results unchanged."""
+    if buf.dtype != torch.int64 or buf.dim() != 2 or buf.shape[1] != 8:
+        raise ValueError(f"timeline buffer: int64 [programs, 8] expected, got {buf.dtype} "
+                         f"{tuple(buf.shape)}")
+    _TIMELINE[0] = buf
+    try:
+        yield buf
+    finally:
+        _TIMELINE[0] = None
 
 
 # split-count-dependent arguments are not specialised: the kernel whose registers
@@ -513,6 +609,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, tab_ptr,
                        out_ptr, so_r, so_h, lse_ptr, sl_r, count_ptr, NUM_SPLITS, sgn_ptr, qscale,
                        kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr, ksgn_ptr,
+                       tl_ptr, TIMELINE: gl.constexpr, CLAIM: gl.constexpr,
                        GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
@@ -521,15 +618,40 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        K_BND: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
+    if TIMELINE:
+        tlp = tl_ptr + (pid * NUM_SPLITS + split).to(gl.int64) * 8
+        gl.store(tlp, _globaltimer())
+        gl.store(tlp + 4, _smid().to(gl.int64))
+        gl.store(tlp + 7, _warpid().to(gl.int64))
     b = pid // HK
     kvh = pid % HK
     seq_len = gl.load(seqlen_ptr + b)
     n_tiles = gl.cdiv(seq_len, TILE)
-    # balanced: split sizes differ by at most one tile (the slowest SM sets the wave's time)
-    t0 = split * n_tiles // NUM_SPLITS
-    t1 = (split + 1) * n_tiles // NUM_SPLITS
-    # tiles [t0, t_mid) are full; t_mid < t1 is the sequence's partial last tile
-    t_mid = gl.maximum(t0, gl.minimum(t1, seq_len // TILE))
+    # CLAIM (from CLAIM_SPLITS splits on): tiles are claimed, not split in fixed ranges. Of
+    # the two one-warp programs that share an SM scheduler the older gets most issue slots,
+    # and with fixed ranges the younger finished ~30 µs after it
+    # (bench/results/decode_timeline2_s13_h200_prelim.json). Each program takes two tiles
+    # statically, then one at a time from the group's counter, each claim a tile ahead of its
+    # use; the last split ends with the sequence's last (partial, masked) tile, which it also
+    # stores the new token into (STORE). The order of tiles does not change the math. Else
+    # each split takes a fixed range of tiles, the sequence's last tile at the end of the last
+    # one's; split sizes differ by at most one tile.
+    last = split == NUM_SPLITS - 1
+    if CLAIM:
+        n_pool = gl.maximum(n_tiles - 1, 0)
+        end_t = gl.where(last & (n_tiles > 0), n_tiles - 1, INV)
+        t = _pool_tile(split, n_pool, end_t)
+        tn = _pool_tile(NUM_SPLITS + split, n_pool, end_t)
+        claim_ptr = count_ptr + gl.num_programs(0) + pid
+        lane_id = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=gl.int32,
+                                            is_pure=True, pack=1)
+        cl = _claim(claim_ptr, lane_id)
+    else:
+        t = split * n_tiles // NUM_SPLITS
+        t1 = (split + 1) * n_tiles // NUM_SPLITS
+        # tiles [t, t_mid) are full; t_mid < t1 is the sequence's partial last tile
+        t_mid = gl.maximum(t, gl.minimum(t1, seq_len // TILE))
+        tn = t + 1
 
     lane = gl.arange(0, 32, layout=_LANE)
     # one copy of the table per lane: a warp-uniform load would put it in uniform registers,
@@ -543,26 +665,26 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
 
     # the first tile's words are loaded before the wait (the cache does not depend on the
     # rotation kernel — RELOAD_LAST: except the token at seq_len − 1, which the kernel before
-    # stores; the program whose first tile holds it loads that tile again after the wait).
-    # Without PREFETCH the page indices run one tile ahead of the words, so a block-table miss
-    # never waits in line before a tile's word loads
-    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
+    # stores; a last split whose first tile is the sequence's last loads it again after the
+    # wait); the page indices run a tile ahead of the words, so a block-table miss never waits
+    # in line before a tile's word loads
+    kw, vw, sc = _load_tile(t, _pages(t, seq_len, bt_row, lane, BS), page0, lane, sc_b,
                             BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-    pages = _pages(t0 + 1, seq_len, bt_row, lane, BS)
+    pages = _pages(tn, seq_len, bt_row, lane, BS)
     kq = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
     hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
     q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
     if QROT:  # the raw query: no kernel before this one writes it
         qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale)
     if STORE:
-        # the step's new token, stored by the last split (it holds the sequence's last tile)
-        # while the first tile's words are in flight; read again if that tile is the last
-        if split == NUM_SPLITS - 1:
+        # the step's new token, stored by the last split (it reads the sequence's last tile
+        # last) while the first tile's words are in flight; read again if that tile is the last
+        if last:
             _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr,
                              ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
                              VS_OFF, VZ_OFF, K_LUT, K_BND)
-            if t0 == n_tiles - 1:
-                kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane,
+            if t == n_tiles - 1:
+                kw, vw, sc = _load_tile(t, _pages(t, seq_len, bt_row, lane, BS), page0, lane,
                                         sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
     if PDL:
         # launched as a programmatic dependent of the rotation kernel: everything above
@@ -570,9 +692,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     if RELOAD_LAST:
-        if t0 == n_tiles - 1:
-            kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane,
-                                    sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
+        if t == n_tiles - 1:
+            kw, vw, sc = _load_tile(t, _pages(t, seq_len, bt_row, lane, BS), page0, lane, sc_b,
+                                    BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
     if not QROT:
         # the rotated, scaled fp16 query (kernels/qrot.py, columns in operand order) as Qᵀ
         qb = gl.load(q_ptr + q_rows[None, :] + kq[:, None], mask=(hq < GROUP)[None, :],
@@ -583,41 +705,49 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
     z_p = l_p
     acc = gl.zeros([128, 8], gl.float32, layout=_MMA)
-    # PREFETCH: the words of tile t+1 are in flight while tile t is computed, each role's loaded
-    # once tile t's words of that role are consumed (keys after the scores, values after P·V),
-    # with the page indices a tile further ahead, so the loads wait for nothing. The barriers
-    # (one warp: no waiting) pin the loads there: ptxas otherwise sinks them to the end of the
-    # loop body, ~300 instructions before their use, less than the HBM latency (session 12:
-    # bench/results/decode_tune_s12_*). Else each tile loads its own, except the first (loaded
-    # before the wait: its tile is peeled)
-    if PREFETCH:
+    # PREFETCH: the words of the next tile are in flight while a tile is computed, each role's
+    # loaded once the current tile's words of that role are consumed (keys after the scores,
+    # values after P·V), with the page indices a tile further ahead, so the loads wait for
+    # nothing. The barriers (one warp: no waiting) pin the loads there: ptxas otherwise sinks
+    # them to the end of the loop body, ~300 instructions before their use, less than the HBM
+    # latency (session 12: bench/results/decode_tune_s12_*). Else the next tile's words are
+    # loaded after each tile. Either way the words of the last split's last tile are loaded
+    # once its other tiles are done.
+    if CLAIM:
+        while t < n_pool:
+            if PREFETCH:
+                m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, tn, pages, seq_len, m_i,
+                                                       l_p, z_p, acc, qb, tab, tau, page0, lane,
+                                                       sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
+                                                       VZ_OFF, False)
+            else:
+                m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab,
+                                           tau, False)
+                kw, vw, sc = _load_tile(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
+                                        VS_OFF, VZ_OFF)
+            t = tn
+            tn, cl = _next_tile(cl, claim_ptr, lane_id, n_pool, end_t, NUM_SPLITS)
+            pages = _pages(tn, seq_len, bt_row, lane, BS)
+        if t < n_tiles:  # the last split: the sequence's last tile
+            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab,
+                                       tau, True)
+    else:
+        t0 = t
         for t in range(t0, t_mid):
-            s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False)
-            kw, skn = _load_keys(t + 1, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
-            gl.thread_barrier()
-            m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc,
-                                         tau, False)
-            vw, svs, svz = _load_values(t + 1, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF,
-                                        VZ_OFF)
-            gl.thread_barrier()
-            sc = (skn, svs, svz)
-            pages = _pages(t + 2, seq_len, bt_row, lane, BS)
-    elif t0 < t_mid:
-        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t0, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                   False)
-        for t in range(t0 + 1, t_mid):
-            kw, vw, sc = _load_tile(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
-                                    VS_OFF, VZ_OFF)
-            pages = _pages(t + 1, seq_len, bt_row, lane, BS)
-            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                       False)
-    if t_mid < t1:
-        if not PREFETCH:
-            if t0 < t_mid:  # else the words loaded before the wait are this tile's
-                kw, vw, sc = _load_tile(t_mid, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF,
+            if PREFETCH:
+                m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len,
+                                                       m_i, l_p, z_p, acc, qb, tab, tau, page0,
+                                                       lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
+                                                       VS_OFF, VZ_OFF, False)
+            else:
+                m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab,
+                                           tau, False)
+                kw, vw, sc = _load_tile(t + 1, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF,
                                         V_OFF, VS_OFF, VZ_OFF)
-        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                   True)
+            pages = _pages(t + 2, seq_len, bt_row, lane, BS)
+        if t_mid < t1:  # the last split: the sequence's partial last tile
+            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab,
+                                       tau, True)
 
     l_i = gl.convert_layout(gl.sum(l_p, axis=0), _HEADS)
     has = l_i > 0.0
@@ -630,6 +760,8 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     dim = 16 * (dims % 8) + dims // 8
     o = acc * inv[None, :] + z[None, :]
     if NUM_SPLITS == 1:  # the group's only split: its rows are final
+        if TIMELINE:
+            gl.store(tlp + 1, _globaltimer())
         orow = b.to(gl.int64) * so_r + (kvh * GROUP + heads) * so_h
         gl.store(out_ptr + orow[None, :] + dim[:, None], o.to(out_ptr.dtype.element_ty),
                  mask=(heads < GROUP)[None, :])
@@ -645,11 +777,21 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         # lane's stores before the release of the counter; the counter is left at 0 for the
         # next call
         gl.thread_barrier()
+        if TIMELINE:
+            gl.store(tlp + 1, _globaltimer())
         done = gl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if TIMELINE:
+            gl.store(tlp + 2, _globaltimer())
+            gl.store(tlp + 5, done.to(gl.int64))
         if done == NUM_SPLITS - 1:
             gl.store(count_ptr + pid, 0)
-            _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s, spl_r,
-                         spl_h, so_r, so_h, sl_r, NUM_SPLITS, GROUP, WRITE_LSE)
+            if CLAIM:  # every claim of the group precedes its program's release of the counter
+                gl.store(claim_ptr, 0)
+            _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s,
+                         spl_r, spl_h, so_r, so_h, sl_r, NUM_SPLITS, GROUP, WRITE_LSE)
+    if TIMELINE:
+        gl.thread_barrier()
+        gl.store(tlp + 3, _globaltimer())
 
 
 def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
@@ -679,7 +821,7 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
             part, part.stride(0) // 128, part.stride(1) // 128, part.stride(2) // 128,
             plse, plse.stride(0), plse.stride(1), tables[0],
             out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
-            _counters(qk.device, groups), num_splits,
+            _counters(qk.device, 2 * groups), num_splits,
             tables[2] if qscale is not None else tables[0], float(qscale or 0.0))
     if new_kv is not None:
         if qscale is None:
@@ -695,11 +837,17 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
                  spec.tables_on(qk.device)[0], tables[3])
     else:
         args += (qk, 0, 0, qk, 0, 0, seq_lens, tables[0], tables[0])
+    tl_buf = _TIMELINE[0]
+    if tl_buf is not None and tl_buf.shape[0] < groups * num_splits:
+        raise ValueError(f"timeline buffer: {tl_buf.shape[0]} rows for {groups * num_splits} "
+                         f"programs")
+    args += (tl_buf if tl_buf is not None else seq_lens,)
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
                 VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch,
                 WRITE_LSE=lse is not None, PDL=pdl, RELOAD_LAST=pdl and EARLY_LOADS[early],
                 QROT=qscale is not None, STORE=new_kv is not None, K_LUT=kf.lut, K_BND=kf.bnd,
+                TIMELINE=tl_buf is not None, CLAIM=num_splits >= CLAIM_SPLITS,
                 launch_pdl=pdl, num_warps=1, maxnreg=maxnreg or MAXNREG[prefetch])
     return args, meta
 
@@ -707,6 +855,12 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
 # early_loads → the kernel's RELOAD_LAST: True, or "except_last" (the kernel before stores each
 # sequence's token at seq_len − 1: decode steps with new_kv)
 EARLY_LOADS = {True: False, "except_last": True}
+
+# split counts from which the programs of a group claim their tiles (kernel comment at CLAIM):
+# 8x64K (16 splits per group) 168.9 -> 167.0 µs; at 4 splits per group the groups' mixes of
+# older and younger programs differ and 32x16K took 166.6 -> 170.5
+# (bench/results/decode_timeline4_s13_h200_prelim.json)
+CLAIM_SPLITS = 8
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
 # SM without prefetch (168 registers), 8 with the prefetched words of the next tile (229; any

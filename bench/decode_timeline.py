@@ -1,0 +1,110 @@
+"""Where a tensor-core decode call spends its time, per program: under
+``decode_mma.recording_timeline`` each program of kernels/decode_mma.py writes %globaltimer at
+its start, after its tiles, after the split counter's atomic and at its end, with its SM id and
+warp slot. Reports when programs finish their tiles (spread over the programs, and by warp
+slot: on sm_90 the first four programs an SM receives, one per scheduler, run ahead of the
+next four), and times each config of ``--configs`` (keyword arguments of
+``decode_attention_triton``) against the default in turns (CUDA-graph replays, L2 flushed).
+
+    PYTHONPATH=. python3 bench/decode_timeline.py --shapes 128x4096,32x16384,8x65536 \\
+        --configs '[{"num_splits": 8}]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import Timer, environment  # noqa: E402
+from bench.decode import fill_cache, make_data  # noqa: E402
+from tqattn.kernels import decode_mma  # noqa: E402
+from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
+from tqattn.quant.codec import TQCodec  # noqa: E402
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * (len(xs) - 1) + 0.5))]
+
+
+def timeline(call, flush, reps: int = 3) -> list[dict]:
+    """Per rep: the spread of the in-kernel timestamps (µs from the earliest program start);
+    the raw per-program values of the second rep."""
+    out = []
+    for rep in range(reps):
+        buf = torch.zeros(1 << 16, 8, dtype=torch.int64, device="cuda")
+        flush()
+        torch.cuda.synchronize()
+        with decode_mma.recording_timeline(buf):
+            call()
+        torch.cuda.synchronize()
+        sel = buf[:, 0] > 0
+        rows = buf[sel].cpu()
+        us = ((rows[:, :4].double() - rows[:, 0].min()) / 1e3).tolist()
+        start, loop_end, _, end = zip(*us)
+        slot = rows[:, 7].tolist()
+        by_slot = {w: round(statistics.median(e for e, s in zip(loop_end, slot) if s == w), 2)
+                   for w in sorted(set(slot))}
+        row = {"programs": len(rows), "start_max": max(start),
+               "tiles_end_p10": pct(loop_end, .1), "tiles_end_p50": pct(loop_end, .5),
+               "tiles_end_max": max(loop_end), "end_max": max(end),
+               "tiles_end_p50_by_warp_slot": by_slot}
+        if rep == 1:
+            row["raw"] = {"program": torch.nonzero(sel).flatten().tolist(),
+                          "tiles_end": [round(x, 2) for x in loop_end],
+                          "end": [round(x, 2) for x in end], "smid": rows[:, 4].tolist(),
+                          "warp_slot": slot}
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="128x4096,32x16384,8x65536")
+    ap.add_argument("--preset", default="turboquant_k3v4_nc")
+    ap.add_argument("--configs", type=json.loads, default=[],
+                    help="JSON list of decode_attention_triton keyword sets, each timed in "
+                         "turns with the default")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default="decode_timeline_h200")
+    args = ap.parse_args()
+    env = environment()
+    print(json.dumps(env), flush=True)
+    timer = Timer(flush="memset")
+    rows = []
+    for shape in args.shapes.split(","):
+        b, l = map(int, shape.split("x"))
+        q, k, v, bt = make_data(b, l, 32, 8, 128)
+        codec = TQCodec(args.preset, 128, device="cuda")
+        cache = fill_cache(codec, k, v, 8)
+        del k, v
+        lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+
+        def call(**kw):
+            decode_attention_triton(codec, q, cache, bt, lens, out=out, **kw)
+
+        row = {"batch": b, "ctx": l, "timeline": timeline(call, timer.flush), "paired": []}
+        for cfg in args.configs:
+            p = timer.paired_us(call, lambda cfg=cfg: call(**cfg))
+            row["paired"].append({"cfg": cfg, **p})
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)
+        print(json.dumps({k: v for k, v in row["timeline"][1].items() if k != "raw"}),
+              flush=True)
+        del cache, q, bt
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
+        json.dump({"env": env, "rows": rows}, f, separators=(",", ":"))
+
+
+if __name__ == "__main__":
+    main()

@@ -75,6 +75,16 @@ def fill_cache(codec, k, v, hk):
     return cache
 
 
+def main_shape_case(preset: str, b: int, l: int):
+    """(codec, q, cache, block table, seq_lens) of the main shape (32 query / 8 KV heads, head
+    size 128) with b sequences of l tokens, the cache filled by the store kernel."""
+    q, k, v, bt = make_data(b, l, 32, 8, 128)
+    codec = TQCodec(preset, 128, device="cuda")
+    cache = fill_cache(codec, k, v, 8)
+    lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
+    return codec, q, cache, bt, lens
+
+
 def cosines(out, ref):
     o, r = out.float(), ref.float()
     whole = F.cosine_similarity(o.flatten(), r.flatten(), dim=0).item()

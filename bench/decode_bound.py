@@ -20,9 +20,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import Timer, copy_bandwidth_gbs, environment  # noqa: E402
-from bench.decode import BS, fill_cache, make_data  # noqa: E402
+from bench.decode import BS, main_shape_case  # noqa: E402
 from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
-from tqattn.quant.codec import TQCodec  # noqa: E402
 
 POOL_BYTES = 24 << 20  # about half of an H200's L2
 
@@ -42,13 +41,9 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         b, l = map(int, shape.split("x"))
-        q, k, v, bt = make_data(b, l, 32, 8, 128)
-        codec = TQCodec(args.preset, 128, device="cuda")
-        cache = fill_cache(codec, k, v, 8)
-        del k, v
+        codec, q, cache, bt, lens = main_shape_case(args.preset, b, l)
         pool = max(1, POOL_BYTES // (8 * BS * codec.slot_bytes))
         bt_pool = bt % pool
-        lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
         out = torch.empty_like(q)
         kv_bytes = b * l * 8 * codec.slot_bytes
         for cfg in args.configs:

@@ -23,10 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import Timer, environment  # noqa: E402
-from bench.decode import fill_cache, make_data  # noqa: E402
+from bench.decode import main_shape_case  # noqa: E402
 from tqattn.kernels import decode_mma  # noqa: E402
 from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
-from tqattn.quant.codec import TQCodec  # noqa: E402
 
 
 def pct(xs, p):
@@ -81,11 +80,7 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         b, l = map(int, shape.split("x"))
-        q, k, v, bt = make_data(b, l, 32, 8, 128)
-        codec = TQCodec(args.preset, 128, device="cuda")
-        cache = fill_cache(codec, k, v, 8)
-        del k, v
-        lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
+        codec, q, cache, bt, lens = main_shape_case(args.preset, b, l)
         out = torch.empty_like(q)
 
         def call(**kw):

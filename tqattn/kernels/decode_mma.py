@@ -66,7 +66,8 @@ _OP_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA.value, k_w
 _OP_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA.value, k_width=2))
 _LANE = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 _PAIR = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0]))  # 16 bytes per lane
-_ML = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))     # [8 heads, 128] merge
+# [STEP splits, heads, 128] of the merge: each lane 4 dimensions of every split and head
+_MS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 1, 1], [2, 1, 0]))
 MAX_SPLITS = gl.constexpr(64)
 _QL = gl.constexpr(gl.BlockedLayout([32, 1], [4, 8], [1, 1], [0, 1]))    # [128, 8] query: 32 k each
 _ROWS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
@@ -535,17 +536,14 @@ def _smid():
                                      is_pure=False, pack=1)
 
 
-_MS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 1, 1], [2, 1, 0]))  # merge step
-
-
 @gluon.jit
 def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s, spl_r, spl_h,
-                  so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr):
+                 so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr):
     """The group's split outputs → its final rows (the math of decode._merge_kernel). It runs
     on the critical path's tail: STEP splits per L2 round trip (their LSEs and parts loaded
     together), merged online with a running max per head; every lane loads the LSEs itself, so
     the max needs no cross-lane reduction."""
-    HP: gl.constexpr = 4 if GROUP <= 4 else 8
+    HP: gl.constexpr = 4 if GROUP <= 4 else 8  # a part's rows held per lane: 16 or 32 fp32
     STEP: gl.constexpr = 32 // HP
     L2D: gl.constexpr = gl.SliceLayout(2, _MS)   # [STEP, HP]
     P2: gl.constexpr = gl.SliceLayout(0, _MS)    # [HP, 128]
@@ -557,11 +555,13 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s
     dd = gl.arange(0, 128, layout=gl.SliceLayout(0, P2))
     hm = hh < GROUP
     lp = plse_ptr + b.to(gl.int64) * spl_r + (kvh * GROUP + hh) * spl_h
+    # part strides come in rows of 128 fp32, so the compiler sees 16-byte aligned rows
     pp = po_ptr + ((b.to(gl.int64) * spo_r + (kvh * GROUP + hr) * spo_h) * 128)[:, None] + \
         dd[None, :]
     m = gl.full([HP], -1.0e30, gl.float32, layout=LH)
     tot = gl.zeros([HP], gl.float32, layout=LH)
     acc = gl.zeros([HP, 128], gl.float32, layout=P2)
+    # every split wrote its part (zeros and LSE −inf when it had no tokens)
     for s0 in range(0, NUM_SPLITS, STEP):
         sj = s0 + jj
         ok = (sj < NUM_SPLITS)[:, None] & hm[None, :]

@@ -601,8 +601,8 @@ def recording_timeline(buf: torch.Tensor):
         _TIMELINE[0] = None
 
 
-# split-count-dependent arguments are not specialised: the kernel whose registers
-# programs_per_sm reads is the one every split count runs
+# split-count-dependent arguments are not specialised: every split count runs one of two builds
+# (CLAIM or not), both under the same register cap, and programs_per_sm reads the CLAIM one's
 @gluon.jit(do_not_specialize=["spo_r", "spo_h", "spo_s", "spl_r", "spl_h", "so_r", "so_h", "sl_r",
                               "NUM_SPLITS"])
 def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr,

@@ -501,17 +501,25 @@ def _next_tile(cl, claim_ptr, lane_id, n_pool, end_t, NUM_SPLITS):
 @gluon.jit
 def _step(kw, vw, sc, t, tn, pages, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, page0, lane, sc_b,
           BS: gl.constexpr, K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
-          VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, MASKED: gl.constexpr):
-    """PREFETCH: tile t from its words while the words of tile tn (pages: its page indices)
-    are loaded, each role's as soon as t's words of that role are consumed."""
-    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED)
-    kw, skn = _load_keys(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
-    gl.thread_barrier()
-    m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau,
-                                 MASKED)
-    vw, svs, svz = _load_values(tn, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
-    gl.thread_barrier()
-    return m_i, l_p, z_p, acc, kw, vw, (skn, svs, svz)
+          VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr):
+    """Full tile t from its words, and the words of tile tn (pages: its page indices): with
+    PREFETCH loaded during t, each role's as soon as t's words of that role are consumed;
+    else after t."""
+    if PREFETCH:
+        s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False)
+        kw, skn = _load_keys(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
+        gl.thread_barrier()
+        m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau,
+                                     False)
+        vw, svs, svz = _load_values(tn, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
+        gl.thread_barrier()
+        sc = (skn, svs, svz)
+    else:
+        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
+                                   False)
+        kw, vw, sc = _load_tile(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
+                                VZ_OFF)
+    return m_i, l_p, z_p, acc, kw, vw, sc
 
 
 # TIMELINE (bench/decode_timeline.py): each program writes int64 [8] at its linear index
@@ -715,16 +723,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # once its other tiles are done.
     if CLAIM:
         while t < n_pool:
-            if PREFETCH:
-                m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, tn, pages, seq_len, m_i,
-                                                       l_p, z_p, acc, qb, tab, tau, page0, lane,
-                                                       sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
-                                                       VZ_OFF, False)
-            else:
-                m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab,
-                                           tau, False)
-                kw, vw, sc = _load_tile(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
-                                        VS_OFF, VZ_OFF)
+            m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, tn, pages, seq_len, m_i, l_p,
+                                                   z_p, acc, qb, tab, tau, page0, lane, sc_b, BS,
+                                                   K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, PREFETCH)
             t = tn
             tn, cl = _next_tile(cl, claim_ptr, lane_id, n_pool, end_t, NUM_SPLITS)
             pages = _pages(tn, seq_len, bt_row, lane, BS)
@@ -734,16 +735,10 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     else:
         t0 = t
         for t in range(t0, t_mid):
-            if PREFETCH:
-                m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len,
-                                                       m_i, l_p, z_p, acc, qb, tab, tau, page0,
-                                                       lane, sc_b, BS, K_OFF, KN_OFF, V_OFF,
-                                                       VS_OFF, VZ_OFF, False)
-            else:
-                m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab,
-                                           tau, False)
-                kw, vw, sc = _load_tile(t + 1, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF,
-                                        V_OFF, VS_OFF, VZ_OFF)
+            m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len, m_i,
+                                                   l_p, z_p, acc, qb, tab, tau, page0, lane, sc_b,
+                                                   BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF,
+                                                   PREFETCH)
             pages = _pages(t + 2, seq_len, bt_row, lane, BS)
         if t_mid < t1:  # the last split: the sequence's partial last tile
             m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab,

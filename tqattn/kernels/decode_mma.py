@@ -39,7 +39,8 @@ Launch: one warp per (sequence, KV head, split); the split count fills exactly o
 programs that the compiled kernel's registers let an SM hold (programs_per_sm). Below
 CLAIM_SPLITS splits per group each split takes a fixed range of tiles (sizes differ by at most
 one tile); from there on the programs of a group claim tiles from a counter, since the older
-of the two programs on an SM scheduler runs ~30 % faster than the younger. By default the
+of the two programs on an SM scheduler runs ~30 % faster than the younger, and each program
+takes its (group, split) by arrival so that every group gets its share of older programs. By default the
 words of the next tile are loaded while a tile is computed (≤ 255 registers, 8 programs per
 SM; without: 168, 12 per SM — slower at every shape measured). Without QROT / STORE,
 programmatic dependent launch (sm_90+) lets the kernel's prologue overlap the query rotation
@@ -493,9 +494,14 @@ def _claim(claim_ptr, lane_id):
 def _next_tile(cl, claim_ptr, lane_id, n_pool, end_t, NUM_SPLITS):
     """(the tile that claim cl gives — after each program's two static tiles, pool tiles
     2·NUM_SPLITS + k in claim order —, the next claim)."""
-    k = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;",
-                                  "=r,r", [cl], dtype=gl.int32, is_pure=True, pack=1)
-    return _pool_tile(2 * NUM_SPLITS + k, n_pool, end_t), _claim(claim_ptr, lane_id)
+    return _pool_tile(2 * NUM_SPLITS + _bcast(cl), n_pool, end_t), _claim(claim_ptr, lane_id)
+
+
+@gluon.jit
+def _bcast(x):
+    """Lane 0's x in every lane."""
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;",
+                                     "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -626,9 +632,23 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        K_BND: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
+    groups = gl.num_programs(0)
+    if TIMELINE:
+        t_start = _globaltimer()
+    if CLAIM:
+        # (group, split) by arrival: programs in warp slots 0-3 (the older of their scheduler's
+        # two) take the positions split·groups + group from the front, the others from the
+        # back, so the groups get equal shares of older programs (claims then even out the rest)
+        lane_id = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=gl.int32,
+                                            is_pure=True, pack=1)
+        older = _warpid() < 4
+        arrived = _bcast(_claim(count_ptr + 2 * groups + gl.where(older, 0, 1), lane_id))
+        pos = gl.where(older, arrived, groups * NUM_SPLITS - 1 - arrived)
+        pid = pos % groups
+        split = pos // groups
     if TIMELINE:
         tlp = tl_ptr + (pid * NUM_SPLITS + split).to(gl.int64) * 8
-        gl.store(tlp, _globaltimer())
+        gl.store(tlp, t_start)
         gl.store(tlp + 4, _smid().to(gl.int64))
         gl.store(tlp + 7, _warpid().to(gl.int64))
     b = pid // HK
@@ -641,7 +661,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # (bench/results/decode_timeline2_s13_h200_prelim.json). Each program takes two tiles
     # statically, then one at a time from the group's counter, each claim a tile ahead of its
     # use; the last split ends with the sequence's last (partial, masked) tile, which it also
-    # stores the new token into (STORE). The order of tiles does not change the math. Else
+    # stores the new token into (STORE). The order of tiles does not change the math. With
+    # positions by arrival (above), a 4-split group has two older programs, not 1-3 as with
+    # launch positions, whose mix set its time. Else
     # each split takes a fixed range of tiles, the sequence's last tile at the end of the last
     # one's; split sizes differ by at most one tile.
     last = split == NUM_SPLITS - 1
@@ -650,9 +672,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         end_t = gl.where(last & (n_tiles > 0), n_tiles - 1, INV)
         t = _pool_tile(split, n_pool, end_t)
         tn = _pool_tile(NUM_SPLITS + split, n_pool, end_t)
-        claim_ptr = count_ptr + gl.num_programs(0) + pid
-        lane_id = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=gl.int32,
-                                            is_pure=True, pack=1)
+        claim_ptr = count_ptr + groups + pid
         cl = _claim(claim_ptr, lane_id)
     else:
         t = split * n_tiles // NUM_SPLITS
@@ -784,6 +804,14 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                 gl.store(claim_ptr, 0)
             _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s,
                          spl_r, spl_h, so_r, so_h, sl_r, NUM_SPLITS, GROUP, WRITE_LSE)
+            if CLAIM:
+                # the last group merged: every program has taken its position; the arrival
+                # counters are left at 0 for the next call
+                merged = gl.atomic_add(count_ptr + 2 * groups + 2, 1, sem="relaxed", scope="gpu")
+                if merged == groups - 1:
+                    gl.store(count_ptr + 2 * groups, 0)
+                    gl.store(count_ptr + 2 * groups + 1, 0)
+                    gl.store(count_ptr + 2 * groups + 2, 0)
     if TIMELINE:
         gl.thread_barrier()
         gl.store(tlp + 3, _globaltimer())
@@ -816,7 +844,7 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
             part, part.stride(0) // 128, part.stride(1) // 128, part.stride(2) // 128,
             plse, plse.stride(0), plse.stride(1), tables[0],
             out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
-            _counters(qk.device, 2 * groups), num_splits,
+            _counters(qk.device, 2 * groups + 3), num_splits,
             tables[2] if qscale is not None else tables[0], float(qscale or 0.0))
     if new_kv is not None:
         if qscale is None:
@@ -851,11 +879,11 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
 # sequence's token at seq_len − 1: decode steps with new_kv)
 EARLY_LOADS = {True: False, "except_last": True}
 
-# split counts from which the programs of a group claim their tiles (kernel comment at CLAIM):
-# 8x64K (16 splits per group) 168.9 -> 167.0 µs; at 4 splits per group the groups' mixes of
-# older and younger programs differ and 32x16K took 166.6 -> 170.5
-# (bench/results/decode_timeline4_s13_h200_prelim.json)
-CLAIM_SPLITS = 8
+# split counts from which the programs of a group take their positions by arrival and claim
+# their tiles (kernel comment at CLAIM), paired against fixed launch positions from 8 splits on
+# (bench/results/decode_pair_s14_assign_h200.json): 32x16K 167.7 -> 166.3 µs, 8x64K
+# 168.3 -> 166.8, 64x8K (2 splits) 167.3 -> 167.1, 16x16K (8) 92.6 -> 91.8
+CLAIM_SPLITS = 2
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
 # SM without prefetch (168 registers), 8 with the prefetched words of the next tile (229; any

@@ -84,7 +84,7 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
 
 def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
                 reload_last: bool = False, qrot: bool = False, store: bool = False,
-                claim: bool = False):
+                assign: bool = False):
     """Compile kernels/decode_mma.py's kernel for sm_90 (turboquant_k3v4_nc, head size 128) as
     the dispatch launches it (1 warp, the register cap of its prefetch mode)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -97,7 +97,7 @@ def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
                V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
                PREFETCH=prefetch, WRITE_LSE=False, PDL=not store, RELOAD_LAST=reload_last,
                QROT=qrot or store, STORE=store, K_LUT=kf.lut, K_BND=kf.bnd, TIMELINE=False,
-               CLAIM=claim)
+               L2_AHEAD=decode_mma.L2_AHEAD, ASSIGN=assign)
     ptrs = {"q_ptr": "*bf16" if qrot or store else "*fp16", "sgn_ptr": "*fp32",
             "kn_ptr": "*bf16", "vn_ptr": "*bf16", "slot_ptr": "*i64", "ftab_ptr": "*fp32",
             "ksgn_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
@@ -194,12 +194,12 @@ def main():
                     help="--mma: the variant that also stores the step's new token")
     ap.add_argument("--reload-last", action="store_true",
                     help="--mma: the variant of decode steps that store new K/V")
-    ap.add_argument("--claim", action="store_true",
-                    help="--mma: the variant whose programs claim tiles (CLAIM_SPLITS+ splits)")
+    ap.add_argument("--assign", action="store_true",
+                    help="--mma: the variant of several splits per group (positions by arrival)")
     args = ap.parse_args()
     if args.mma:
         kernel, cex = compile_mma(args.prefetch, args.group, reload_last=args.reload_last,
-                                  qrot=args.qrot, store=args.store, claim=args.claim)
+                                  qrot=args.qrot, store=args.store, assign=args.assign)
         st = loop_stats(*disassemble(kernel.asm["cubin"]))
         res = resources(kernel.asm["cubin"])
         st.update(resources=res, programs_per_sm=occupancy(res, 1, kernel.metadata.shared),

@@ -111,9 +111,9 @@ def test_decode_mma_path_gpu():
                  tune={"mma_prefetch": False})
     _decode_case("turboquant_k3v4_nc", 128, 2, 3, 16, [0, 300, 64], tune={"mma_prefetch": True})
     _decode_case("turboquant_k3v4_nc", 128, 3, 4, 16, [5000, 17, 2500], tune={"mma_pdl": False})
-    # claimed tiles (CLAIM_SPLITS and more splits) and fixed ranges, with sequences shorter
-    # than the splits' static tiles
-    for splits in (decode_mma.CLAIM_SPLITS, decode_mma.CLAIM_SPLITS - 1, 40):
+    # ranges by program age (several splits: positions by arrival), sequences with fewer
+    # tiles than splits
+    for splits in (1, 2, 3, 40):
         _decode_case("turboquant_k3v4_nc", 128, 3, 4, 16, [5000, 17, 2500, 0, 700],
                      tune={"num_splits": splits})
     # the last split of each group merges and resets its counter

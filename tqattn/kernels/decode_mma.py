@@ -36,11 +36,11 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
   256x more).
 
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
-programs that the compiled kernel's registers let an SM hold (programs_per_sm). Below
-CLAIM_SPLITS splits per group each split takes a fixed range of tiles (sizes differ by at most
-one tile); from there on the programs of a group claim tiles from a counter, since the older
-of the two programs on an SM scheduler runs ~30 % faster than the younger, and each program
-takes its (group, split) by arrival so that every group gets its share of older programs. By default the
+programs that the compiled kernel's registers let an SM hold (programs_per_sm). Each split
+takes a fixed range of tiles; the older of the two programs on an SM scheduler runs much
+faster than the younger, so programs take their (group, split) by arrival, the older ones
+first, and an older program's range is SPLIT_WEIGHTS times a younger one's. The blocks of the
+tile two ahead are prefetched into L2 (L2_AHEAD). By default the
 words of the next tile are loaded while a tile is computed (≤ 255 registers, 8 programs per
 SM; without: 168, 12 per SM — slower at every shape measured). Without QROT / STORE,
 programmatic dependent launch (sm_90+) lets the kernel's prologue overlap the query rotation
@@ -469,38 +469,41 @@ def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.c
     return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, MASKED)
 
 
-INV = gl.constexpr(1 << 24)  # "no tile" (its tokens 64·INV.. lie past any sequence)
+@gluon.jit
+def _l2_page(tp, limit, seq_len, bt_row, lane, BS: gl.constexpr):
+    """The page of the block of tile tp that the lane prefetches (32·BS/TILE lanes per
+    block; -1 if tp >= limit or past the sequence): the address of an L2 prefetch
+    (:func:`_l2_prefetch`) a tile later, so that this load's latency hides."""
+    tok = tp * TILE + (lane // (32 * BS // TILE)) * BS
+    ok = (tok < seq_len) & (tp < limit)
+    return gl.where(ok, gl.load(bt_row + tok // BS, mask=ok, other=0), -1)
 
 
 @gluon.jit
-def _pool_tile(p, n_pool, end_t):
-    """Tile p of the claimable pool (all tiles but the sequence's last), or past the pool
-    end_t: the sequence's last tile for the last split, else INV."""
-    return gl.where(p < n_pool, p, end_t)
+def _l2_prefetch(page, page0, sc_b, sc_h, lane, BS: gl.constexpr):
+    """L2 prefetch of the lane's two 128-byte lines of its (page, KV head) block (sc_h bytes)
+    where page >= 0."""
+    off = (lane % (32 * BS // TILE)) * 256
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p, q; setp.ge.s32 p, $1, 0; setp.lt.and.s32 q, $3, $4, p; mov.u32 $0, 0; "
+        "@p prefetch.global.L2 [$2]; @q prefetch.global.L2 [$2+128]; }",
+        "=r,r,l,r,r", [page, page0 + gl.maximum(page, 0).to(gl.int64) * sc_b + off, off + 128,
+                       sc_h], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def _claim(claim_ptr, lane_id):
-    """A claim on the group's next pool tile: lane 0's atomic increment of the counter
-    (relaxed: nothing else is ordered by it), whose result is read a tile later
-    (:func:`_next_tile`), so its latency hides behind a tile's work."""
+def _atomic_inc_lane0(ptr, lane_id):
+    """Lane 0's relaxed atomic increment of *ptr: its old value in lane 0 (:func:`_bcast`)."""
     return gl.inline_asm_elementwise(
         "{ .reg .pred p; setp.eq.u32 p, $2, 0; mov.u32 $0, 0; "
         "@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }",
-        "=r,l,r", [claim_ptr, lane_id], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _next_tile(cl, claim_ptr, lane_id, n_pool, end_t, NUM_SPLITS):
-    """(the tile that claim cl gives — after each program's two static tiles, pool tiles
-    2·NUM_SPLITS + k in claim order —, the next claim)."""
-    return _pool_tile(2 * NUM_SPLITS + _bcast(cl), n_pool, end_t), _claim(claim_ptr, lane_id)
+        "=r,l,r", [ptr, lane_id], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _bcast(x):
-    """Lane 0's x in every lane."""
-    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;",
+    """Lane 0's x (>= 0; 0 in the other lanes) in every lane, as a warp-uniform value."""
+    return gl.inline_asm_elementwise("redux.sync.max.u32 $0, $1, 0xffffffff;",
                                      "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
 
@@ -615,15 +618,16 @@ def recording_timeline(buf: torch.Tensor):
         _TIMELINE[0] = None
 
 
-# split-count-dependent arguments are not specialised: every split count runs one of two builds
-# (CLAIM or not), both under the same register cap, and programs_per_sm reads the CLAIM one's
+# split-count-dependent arguments are not specialised: every split count > 1 runs one build
+# (ASSIGN; one split another, under the same register cap), and programs_per_sm reads its count
 @gluon.jit(do_not_specialize=["spo_r", "spo_h", "spo_s", "spl_r", "spl_h", "so_r", "so_h", "sl_r",
-                              "NUM_SPLITS"])
+                              "NUM_SPLITS", "n_older", "w_old", "w_young"])
 def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr,
                        po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, tab_ptr,
                        out_ptr, so_r, so_h, lse_ptr, sl_r, count_ptr, NUM_SPLITS, sgn_ptr, qscale,
                        kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr, ksgn_ptr,
-                       tl_ptr, TIMELINE: gl.constexpr, CLAIM: gl.constexpr,
+                       tl_ptr, TIMELINE: gl.constexpr, L2_AHEAD: gl.constexpr,
+                       ASSIGN: gl.constexpr, n_older, w_old, w_young,
                        GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
@@ -635,14 +639,14 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     groups = gl.num_programs(0)
     if TIMELINE:
         t_start = _globaltimer()
-    if CLAIM:
+    if ASSIGN:
         # (group, split) by arrival: programs in warp slots 0-3 (the older of their scheduler's
-        # two) take the positions split·groups + group from the front, the others from the
-        # back, so the groups get equal shares of older programs (claims then even out the rest)
+        # two, which runs faster) take the positions split·groups + group from the front, the
+        # others from the back
         lane_id = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=gl.int32,
                                             is_pure=True, pack=1)
         older = _warpid() < 4
-        arrived = _bcast(_claim(count_ptr + 2 * groups + gl.where(older, 0, 1), lane_id))
+        arrived = _bcast(_atomic_inc_lane0(count_ptr + groups + gl.where(older, 0, 1), lane_id))
         pos = gl.where(older, arrived, groups * NUM_SPLITS - 1 - arrived)
         pid = pos % groups
         split = pos // groups
@@ -655,31 +659,21 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     kvh = pid % HK
     seq_len = gl.load(seqlen_ptr + b)
     n_tiles = gl.cdiv(seq_len, TILE)
-    # CLAIM (from CLAIM_SPLITS splits on): tiles are claimed, not split in fixed ranges. Of
-    # the two one-warp programs that share an SM scheduler the older gets most issue slots,
-    # and with fixed ranges the younger finished ~30 µs after it
-    # (bench/results/decode_timeline2_s13_h200_prelim.json). Each program takes two tiles
-    # statically, then one at a time from the group's counter, each claim a tile ahead of its
-    # use; the last split ends with the sequence's last (partial, masked) tile, which it also
-    # stores the new token into (STORE). The order of tiles does not change the math. With
-    # positions by arrival (above), a 4-split group has two older programs, not 1-3 as with
-    # launch positions, whose mix set its time. Else
     # each split takes a fixed range of tiles, the sequence's last tile at the end of the last
-    # one's; split sizes differ by at most one tile.
+    # split's. Of the two one-warp programs that share an SM scheduler the older gets most
+    # issue slots (bench/results/decode_timeline2_s13_h200_prelim.json); with positions by
+    # arrival the group's first h_old splits are older programs (n_older: the launch's
+    # expected count), and their ranges are w_old : w_young times the others'
     last = split == NUM_SPLITS - 1
-    if CLAIM:
-        n_pool = gl.maximum(n_tiles - 1, 0)
-        end_t = gl.where(last & (n_tiles > 0), n_tiles - 1, INV)
-        t = _pool_tile(split, n_pool, end_t)
-        tn = _pool_tile(NUM_SPLITS + split, n_pool, end_t)
-        claim_ptr = count_ptr + groups + pid
-        cl = _claim(claim_ptr, lane_id)
-    else:
-        t = split * n_tiles // NUM_SPLITS
-        t1 = (split + 1) * n_tiles // NUM_SPLITS
-        # tiles [t, t_mid) are full; t_mid < t1 is the sequence's partial last tile
-        t_mid = gl.maximum(t, gl.minimum(t1, seq_len // TILE))
-        tn = t + 1
+    h_old = gl.minimum(gl.maximum((n_older - pid + groups - 1) // groups, 0), NUM_SPLITS)
+    c0 = w_old * gl.minimum(split, h_old) + w_young * gl.maximum(split - h_old, 0)
+    c1 = c0 + gl.where(split < h_old, w_old, w_young)
+    den = w_old * h_old + w_young * (NUM_SPLITS - h_old)
+    t = n_tiles * c0 // den
+    t1 = n_tiles * c1 // den
+    # tiles [t, t_mid) are full; t_mid < t1 is the sequence's partial last tile
+    t_mid = gl.maximum(t, gl.minimum(t1, seq_len // TILE))
+    tn = t + 1
 
     lane = gl.arange(0, 32, layout=_LANE)
     # one copy of the table per lane: a warp-uniform load would put it in uniform registers,
@@ -741,28 +735,22 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # latency (session 12: bench/results/decode_tune_s12_*). Else the next tile's words are
     # loaded after each tile. Either way the words of the last split's last tile are loaded
     # once its other tiles are done.
-    if CLAIM:
-        while t < n_pool:
-            m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, tn, pages, seq_len, m_i, l_p,
-                                                   z_p, acc, qb, tab, tau, page0, lane, sc_b, BS,
-                                                   K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, PREFETCH)
-            t = tn
-            tn, cl = _next_tile(cl, claim_ptr, lane_id, n_pool, end_t, NUM_SPLITS)
-            pages = _pages(tn, seq_len, bt_row, lane, BS)
-        if t < n_tiles:  # the last split: the sequence's last tile
-            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab,
-                                       tau, True)
-    else:
-        t0 = t
-        for t in range(t0, t_mid):
-            m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len, m_i,
-                                                   l_p, z_p, acc, qb, tab, tau, page0, lane, sc_b,
-                                                   BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF,
-                                                   PREFETCH)
-            pages = _pages(t + 2, seq_len, bt_row, lane, BS)
-        if t_mid < t1:  # the last split: the sequence's partial last tile
-            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab,
-                                       tau, True)
+    # L2_AHEAD: the blocks of the tile L2_AHEAD ahead are prefetched into L2: more bytes in
+    # flight than the registers hold (bench/results/decode_pair_s14_weights_h200.json)
+    t0 = t
+    pf = _l2_page(t0 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
+    for t in range(t0, t_mid):
+        if L2_AHEAD > 0:
+            _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS)
+        m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len, m_i, l_p,
+                                               z_p, acc, qb, tab, tau, page0, lane, sc_b, BS,
+                                               K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, PREFETCH)
+        pages = _pages(t + 2, seq_len, bt_row, lane, BS)
+        if L2_AHEAD > 0:
+            pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
+    if t_mid < t1:  # the last split: the sequence's partial last tile
+        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
+                                   True)
 
     l_i = gl.convert_layout(gl.sum(l_p, axis=0), _HEADS)
     has = l_i > 0.0
@@ -800,18 +788,16 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
             gl.store(tlp + 5, done.to(gl.int64))
         if done == NUM_SPLITS - 1:
             gl.store(count_ptr + pid, 0)
-            if CLAIM:  # every claim of the group precedes its program's release of the counter
-                gl.store(claim_ptr, 0)
             _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s,
                          spl_r, spl_h, so_r, so_h, sl_r, NUM_SPLITS, GROUP, WRITE_LSE)
-            if CLAIM:
+            if ASSIGN:
                 # the last group merged: every program has taken its position; the arrival
                 # counters are left at 0 for the next call
-                merged = gl.atomic_add(count_ptr + 2 * groups + 2, 1, sem="relaxed", scope="gpu")
+                merged = gl.atomic_add(count_ptr + groups + 2, 1, sem="relaxed", scope="gpu")
                 if merged == groups - 1:
-                    gl.store(count_ptr + 2 * groups, 0)
-                    gl.store(count_ptr + 2 * groups + 1, 0)
-                    gl.store(count_ptr + 2 * groups + 2, 0)
+                    gl.store(count_ptr + groups, 0)
+                    gl.store(count_ptr + groups + 1, 0)
+                    gl.store(count_ptr + groups + 2, 0)
     if TIMELINE:
         gl.thread_barrier()
         gl.store(tlp + 3, _globaltimer())
@@ -844,7 +830,7 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
             part, part.stride(0) // 128, part.stride(1) // 128, part.stride(2) // 128,
             plse, plse.stride(0), plse.stride(1), tables[0],
             out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
-            _counters(qk.device, 2 * groups + 3), num_splits,
+            _counters(qk.device, groups + 3), num_splits,
             tables[2] if qscale is not None else tables[0], float(qscale or 0.0))
     if new_kv is not None:
         if qscale is None:
@@ -870,7 +856,9 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
                 VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch,
                 WRITE_LSE=lse is not None, PDL=pdl, RELOAD_LAST=pdl and EARLY_LOADS[early],
                 QROT=qscale is not None, STORE=new_kv is not None, K_LUT=kf.lut, K_BND=kf.bnd,
-                TIMELINE=tl_buf is not None, CLAIM=num_splits >= CLAIM_SPLITS,
+                TIMELINE=tl_buf is not None, L2_AHEAD=L2_AHEAD, ASSIGN=num_splits > 1,
+                n_older=min(groups * num_splits, OLDER_PER_SM * _sms(qk.device)),
+                w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1],
                 launch_pdl=pdl, num_warps=1, maxnreg=maxnreg or MAXNREG[prefetch])
     return args, meta
 
@@ -879,11 +867,15 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
 # sequence's token at seq_len − 1: decode steps with new_kv)
 EARLY_LOADS = {True: False, "except_last": True}
 
-# split counts from which the programs of a group take their positions by arrival and claim
-# their tiles (kernel comment at CLAIM), paired against fixed launch positions from 8 splits on
-# (bench/results/decode_pair_s14_assign_h200.json): 32x16K 167.7 -> 166.3 µs, 8x64K
-# 168.3 -> 166.8, 64x8K (2 splits) 167.3 -> 167.1, 16x16K (8) 92.6 -> 91.8
-CLAIM_SPLITS = 2
+# tiles of a split run by an older program : by a younger one (the kernel comment at h_old);
+# paired against claimed tiles (bench/results/decode_pair_s14_weights_h200.json): 1 : 1
+# 32x16K +1.4 µs, 3 : 2 -4.1, 5 : 3 -4.6 (-5.0 in a second run), 7 : 4 -4.4, 2 : 1 -1.9
+SPLIT_WEIGHTS = (5, 3)
+# older programs per SM: the first of each scheduler's (one-warp programs, 4 schedulers)
+OLDER_PER_SM = 4
+# tiles ahead of the loop whose blocks are prefetched into L2 (same file, 128x4K: 2 -2.3 µs,
+# 1 -1.8, 4 +22: the blocks in flight then crowd the L2)
+L2_AHEAD = 2
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
 # SM without prefetch (168 registers), 8 with the prefetched words of the next tile (229; any
@@ -962,6 +954,10 @@ def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, grou
     args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
                        num_splits, prefetch, pdl, early_loads, maxnreg, qscale, new_kv)
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
+
+
+def _sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _COUNTERS: dict = {}

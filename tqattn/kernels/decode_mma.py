@@ -45,7 +45,7 @@ words of the next tile are loaded while a tile is computed (≤ 255 registers, 8
 SM; without: 168, 12 per SM — slower at every shape measured). Without QROT / STORE,
 programmatic dependent launch (sm_90+) lets the kernel's prologue overlap the query rotation
 kernel (and the store of a decode step's new K/V, launched with it).
-Measured (H200): bench/results/decode_h200_s13.md; per-program timelines: recording_timeline,
+Measured (H200): bench/results/decode_h200_s14.md; per-program timelines: recording_timeline,
 bench/decode_timeline.py.
 """
 from __future__ import annotations
@@ -878,7 +878,7 @@ OLDER_PER_SM = 4
 L2_AHEAD = 2
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
-# SM without prefetch (168 registers), 8 with the prefetched words of the next tile (229; any
+# SM without prefetch (168 registers), 8 with the prefetched words of the next tile (230-239; any
 # count up to 256 keeps 8: two warps per 16K-register bank)
 MAXNREG = {False: 168, True: 255}
 _RESIDENT: dict = {}

@@ -58,6 +58,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from . import _asm, qrot
+from ._spec import num_sms
 from ..quant.rotation import is_signed_hadamard
 
 TILE = gl.constexpr(64)
@@ -736,7 +737,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # loaded after each tile. Either way the words of the last split's last tile are loaded
     # once its other tiles are done.
     # L2_AHEAD: the blocks of the tile L2_AHEAD ahead are prefetched into L2: more bytes in
-    # flight than the registers hold (bench/results/decode_pair_s14_weights_h200.json)
+    # flight than the registers hold (bench/results/decode_pair_s14_l2_h200.json)
     t0 = t
     pf = _l2_page(t0 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
     for t in range(t0, t_mid):
@@ -857,7 +858,7 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
                 WRITE_LSE=lse is not None, PDL=pdl, RELOAD_LAST=pdl and EARLY_LOADS[early],
                 QROT=qscale is not None, STORE=new_kv is not None, K_LUT=kf.lut, K_BND=kf.bnd,
                 TIMELINE=tl_buf is not None, L2_AHEAD=L2_AHEAD, ASSIGN=num_splits > 1,
-                n_older=min(groups * num_splits, OLDER_PER_SM * _sms(qk.device)),
+                n_older=min(groups * num_splits, OLDER_PER_SM * num_sms(qk.device)),
                 w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1],
                 launch_pdl=pdl, num_warps=1, maxnreg=maxnreg or MAXNREG[prefetch])
     return args, meta
@@ -873,8 +874,9 @@ EARLY_LOADS = {True: False, "except_last": True}
 SPLIT_WEIGHTS = (5, 3)
 # older programs per SM: the first of each scheduler's (one-warp programs, 4 schedulers)
 OLDER_PER_SM = 4
-# tiles ahead of the loop whose blocks are prefetched into L2 (same file, 128x4K: 2 -2.3 µs,
-# 1 -1.8, 4 +22: the blocks in flight then crowd the L2)
+# tiles ahead of the loop whose blocks are prefetched into L2 (bench/results/
+# decode_pair_s14_l2_h200.json, 128x4K: 2 -2.3 µs, 1 -1.8, 4 +22: the blocks in flight then
+# crowd the L2)
 L2_AHEAD = 2
 
 # register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
@@ -956,17 +958,13 @@ def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, grou
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
 
 
-def _sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 _COUNTERS: dict = {}
 
 
 def _counters(device, n: int) -> torch.Tensor:
-    """Per-group split counters, zero between calls (the merging program resets its own). One
-    buffer per device, grown by replacement; replaced buffers stay alive for captured graphs.
-    Calls on different streams must not run concurrently."""
+    """Per-group split counters and, after them, the arrival counters; zero between calls (the
+    merging programs reset them). One buffer per device, grown by replacement; replaced buffers
+    stay alive for captured graphs. Calls on different streams must not run concurrently."""
     key = str(device)
     bufs = _COUNTERS.setdefault(key, [])
     if not bufs or bufs[-1].numel() < n:

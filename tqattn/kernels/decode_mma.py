@@ -665,16 +665,14 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # issue slots (bench/results/decode_timeline2_s13_h200_prelim.json); with positions by
     # arrival the group's first h_old splits are older programs (n_older: the launch's
     # expected count), and their ranges are w_old : w_young times the others'
-    last = split == NUM_SPLITS - 1
     h_old = gl.minimum(gl.maximum((n_older - pid + groups - 1) // groups, 0), NUM_SPLITS)
     c0 = w_old * gl.minimum(split, h_old) + w_young * gl.maximum(split - h_old, 0)
     c1 = c0 + gl.where(split < h_old, w_old, w_young)
     den = w_old * h_old + w_young * (NUM_SPLITS - h_old)
-    t = n_tiles * c0 // den
+    t0 = n_tiles * c0 // den
     t1 = n_tiles * c1 // den
-    # tiles [t, t_mid) are full; t_mid < t1 is the sequence's partial last tile
-    t_mid = gl.maximum(t, gl.minimum(t1, seq_len // TILE))
-    tn = t + 1
+    # tiles [t0, t_mid) are full; t_mid < t1 is the sequence's partial last tile
+    t_mid = gl.maximum(t0, gl.minimum(t1, seq_len // TILE))
 
     lane = gl.arange(0, 32, layout=_LANE)
     # one copy of the table per lane: a warp-uniform load would put it in uniform registers,
@@ -691,9 +689,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # stores; a last split whose first tile is the sequence's last loads it again after the
     # wait); the page indices run a tile ahead of the words, so a block-table miss never waits
     # in line before a tile's word loads
-    kw, vw, sc = _load_tile(t, _pages(t, seq_len, bt_row, lane, BS), page0, lane, sc_b,
+    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
                             BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-    pages = _pages(tn, seq_len, bt_row, lane, BS)
+    pages = _pages(t0 + 1, seq_len, bt_row, lane, BS)
     kq = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
     hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
     q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
@@ -702,12 +700,12 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     if STORE:
         # the step's new token, stored by the last split (it reads the sequence's last tile
         # last) while the first tile's words are in flight; read again if that tile is the last
-        if last:
+        if split == NUM_SPLITS - 1:
             _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr,
                              ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
                              VS_OFF, VZ_OFF, K_LUT, K_BND)
-            if t == n_tiles - 1:
-                kw, vw, sc = _load_tile(t, _pages(t, seq_len, bt_row, lane, BS), page0, lane,
+            if t0 == n_tiles - 1:
+                kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane,
                                         sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
     if PDL:
         # launched as a programmatic dependent of the rotation kernel: everything above
@@ -715,8 +713,8 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     if RELOAD_LAST:
-        if t == n_tiles - 1:
-            kw, vw, sc = _load_tile(t, _pages(t, seq_len, bt_row, lane, BS), page0, lane, sc_b,
+        if t0 == n_tiles - 1:
+            kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
                                     BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
     if not QROT:
         # the rotated, scaled fp16 query (kernels/qrot.py, columns in operand order) as Qᵀ
@@ -738,7 +736,6 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # once its other tiles are done.
     # L2_AHEAD: the blocks of the tile L2_AHEAD ahead are prefetched into L2: more bytes in
     # flight than the registers hold (bench/results/decode_pair_s14_l2_h200.json)
-    t0 = t
     pf = _l2_page(t0 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
     for t in range(t0, t_mid):
         if L2_AHEAD > 0:

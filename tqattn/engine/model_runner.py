@@ -10,12 +10,12 @@ dimension unbacked (:mod:`tqattn.engine.compilation`), compiled by the first cal
 makes that call at start-up); prefill and mixed steps run it directly.
 
 CUDA graphs (CUDA only, unless enforce_eager): pure-decode steps replay a graph captured per
-batch-size bucket over the (compiled or eager) forward, the batch padded to the bucket (padding rows: seq_len 0, slot −1). The graph
-reads static input buffers that each step overwrites; the backends' metadata is built once per
-bucket at capture, over those buffers. That needs every KV-cache group's backend to declare
-``cudagraph_decode`` (its pure-decode metadata is only views of the CommonAttentionMetadata
-device tensors and its decode kernels never sync with the host: TURBOQUANT, FLASH_ATTN); a model
-with a layer on any other backend runs decode eagerly (logged).
+batch-size bucket over the (compiled or eager) forward, the batch padded to the bucket (padding
+rows: seq_len 0, slot −1). The graph reads static input buffers that each step overwrites; the
+backends' metadata is built once per bucket at capture, over those buffers. That needs every
+KV-cache group's backend to declare ``cudagraph_decode`` (its pure-decode metadata is only views
+of the CommonAttentionMetadata device tensors and its decode kernels never sync with the host:
+TURBOQUANT, FLASH_ATTN); a model with a layer on any other backend runs decode eagerly (logged).
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ from .block_manager import BlockManager
 from .config import SchedulerConfig
 from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks, kv_cache_groups
 from .model_runner import ModelRunner
-from .warmup import run_warmup, warmup_steps
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling import SamplingParams, make_generator
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, SequenceStatus
+from .warmup import run_warmup, warmup_steps
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +71,10 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
-        for name in ("enforce_eager", "compile_model"):
-            v = getattr(self, name)
-            if not isinstance(v, bool) and not (name == "compile_model" and v is None):
-                raise ValueError(f"{name} must be True or False{' or None' * (name == 'compile_model')}, "
-                                 f"got {v!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.compile_model is not None and not isinstance(self.compile_model, bool):
+            raise ValueError(f"compile_model must be True or False or None, got {self.compile_model!r}")
         if self.enforce_eager and self.compile_model:
             raise ValueError("enforce_eager=True runs the model eagerly (no compilation, no CUDA "
                              "graphs); it cannot be combined with compile_model=True")

@@ -25,7 +25,11 @@ class LLM:
     ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
     ``enable_prefix_caching``, ``enable_chunked_prefill``, ``kv_cache_memory_bytes`` /
     ``gpu_memory_utilization`` / ``num_gpu_blocks_override``, ``load_format``, ``seed``,
-    ``device``, ``enforce_eager``.
+    ``device``, ``enforce_eager`` (no compiled model, no CUDA graphs), ``compile_model``
+    (None: compile on CUDA unless enforce_eager; False: eager model, CUDA graphs still on).
+    Start-up compiles and warms up everything a run can reach:
+    ``llm.llm_engine.startup_times`` has the parts' seconds, and
+    ``llm.llm_engine.compilation_counts()`` what compiled after it.
     """
 
     def __init__(self, model: str = "default", **kwargs):

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from tqattn.attention.backend import AttentionLayerSpec
+from tqattn.attention.hf_attention import use_tqattn
 from tqattn.attention.selector import build_attention_layers, describe_plan, resolve_kv_cache_dtypes
 from tqattn.models import load_model
-from tqattn.models.hf_attention import use_tqattn
 from tqattn.quant.presets import PRESETS
 
+from . import compilation
 from .block_manager import BlockManager
 from .config import SchedulerConfig
 from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks, kv_cache_groups
@@ -24,6 +25,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling import SamplingParams, make_generator
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, SequenceStatus
+from .warmup import run_warmup, warmup_steps
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ class EngineArgs:
     load_format: str = "auto"
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs and no compiled model
+    compile_model: bool | None = None  # torch.compile the model; None: on CUDA unless enforce_eager
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -68,9 +71,24 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.compile_model is not None and not isinstance(self.compile_model, bool):
+            raise ValueError(f"compile_model must be True or False or None, got {self.compile_model!r}")
+        if self.enforce_eager and self.compile_model:
+            raise ValueError("enforce_eager=True runs the model eagerly (no compilation, no CUDA "
+                             "graphs); it cannot be combined with compile_model=True")
         if isinstance(self.kv_cache_dtype_skip_layers, (str, int)):
             self.kv_cache_dtype_skip_layers = [self.kv_cache_dtype_skip_layers]
         self.kv_cache_dtype_skip_layers = list(self.kv_cache_dtype_skip_layers or [])
+
+
+def resolve_compile_model(args: EngineArgs, device: torch.device) -> bool:
+    """Whether the engine compiles the model: compile_model if set, else on CUDA unless
+    enforce_eager (on CPU the default stays eager: compiling takes longer than tiny models run)."""
+    if args.compile_model is not None:
+        return args.compile_model
+    return device.type == "cuda" and not args.enforce_eager
 
 
 @dataclass
@@ -87,28 +105,56 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
+        """Start-up: load, compile (a first forward), size and allocate the KV cache (on CUDA
+        after a profile step), warm up every step kind, capture the decode CUDA graphs. Each
+        part's seconds are in ``startup_times``; compilations after it, in
+        :meth:`compilation_counts`."""
         self.args = args
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        compile_model = resolve_compile_model(args, self.device)
+        if compile_model or cuda:
+            compilation.use_cache_dirs()
+        compilation.install()
+        t0 = lap = time.perf_counter()
+        self.startup_times: dict[str, float] = {}
+
+        def done(part: str) -> None:
+            nonlocal lap
+            now = time.perf_counter()
+            self.startup_times[part] = now - lap
+            lap = now
+
         loaded = self.loaded = load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                                           device=self.device, seed=args.seed,
                                           max_model_len=args.max_model_len)
         self.tokenizer = loaded.tokenizer
         self.model_info = loaded.info
-        use_tqattn(loaded.model)
         self.layers = self._attention_layers()
+        use_tqattn(loaded.model, [layer.spec for layer in self.layers])
         config = SchedulerConfig(
             max_model_len=loaded.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_chunked_prefill=args.enable_chunked_prefill,
             enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size)
         groups = kv_cache_groups(self.layers, args.block_size)
-        self.runner = ModelRunner(loaded.model, self.layers, groups, args.block_size, self.device, args.seed)
+        runner = self.runner = ModelRunner(loaded.model, self.layers, groups, args.block_size,
+                                           self.device, args.seed, compile_model=compile_model)
+        done("load")
+        if compile_model:  # at the largest step's size: what Inductor tunes for
+            runner.dummy_prefill(args.max_num_batched_tokens, loaded.max_model_len)
+        done("compile")
         num_blocks = self._num_blocks(sum(g.page_bytes for g in groups), loaded.max_model_len)
         self.kv_cache_config = KVCacheConfig(args.block_size, num_blocks, groups)
-        self.runner.allocate_kv_cache(num_blocks)
-        if self.device.type == "cuda" and not args.enforce_eager:
-            self.runner.capture_cudagraphs(args.max_num_seqs, loaded.max_model_len)
+        runner.allocate_kv_cache(num_blocks)
+        done("kv_cache")
+        if compile_model or cuda:  # the first use of each kernel variant compiles it
+            run_warmup(runner, warmup_steps(args.max_num_seqs, args.max_num_batched_tokens,
+                                            loaded.max_model_len, args.block_size))
+        done("warmup")
+        if cuda and not args.enforce_eager:
+            runner.capture_cudagraphs(args.max_num_seqs, loaded.max_model_len)
+        done("cudagraph_capture")
 
         self.block_manager = BlockManager([num_blocks] * len(groups), args.block_size,
                                           args.enable_prefix_caching)
@@ -119,8 +165,21 @@ class LLMEngine:
                          cache_tokens=self.kv_cache_config.num_tokens,
                          cache_bytes=self.kv_cache_config.total_bytes,
                          bf16_cache_tokens=self.kv_cache_config.total_bytes // bf16_bytes_per_token(self.layers))
-        self.load_time = time.perf_counter() - t0
+        self.startup_times["total"] = self.load_time = time.perf_counter() - t0
+        self._compile_mark = runner.compile_mark = compilation.mark()
         logger.info("%s", format_plan(self.plan))
+        logger.info("start-up %s", format_startup(self.startup_times, compile_model,
+                                                  bool(runner.graphs)))
+        breaks = compilation.graph_breaks() if compile_model else {}
+        if breaks:
+            logger.warning("the compiled model has graph breaks (each a separate graph, and a "
+                           "possible recompile per step size): %s", breaks)
+
+    def compilation_counts(self) -> dict:
+        """Compilations since start-up ended, in this process: ``dynamo`` (frames compiled or
+        recompiled), ``triton`` (Triton/Gluon kernel variants built), ``total``, and their
+        names (``dynamo_frames``, ``triton_kernels``)."""
+        return compilation.since(self._compile_mark)
 
     def _attention_layers(self):
         """Each layer's spec from the HF config, its KV dtype from the routing, its backend."""
@@ -303,6 +362,13 @@ class LLMEngine:
         return RequestOutput(request_id=req.request_id, prompt=req.prompt,
                              prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
                              finished=True, metrics=m)
+
+
+def format_startup(times: dict[str, float], compiled: bool, graphs: bool) -> str:
+    """One line: the start-up parts' seconds."""
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in times.items() if k != "total")
+    return (f"{times['total']:.1f} s ({parts}); model {'compiled' if compiled else 'eager'}, "
+            f"decode CUDA graphs {'on' if graphs else 'off'}")
 
 
 def format_plan(plan: dict) -> str:

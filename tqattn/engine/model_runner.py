@@ -5,13 +5,17 @@ All scheduled tokens of a step are flattened into one (1, T) batch with their po
 batch (the block tables and slots differ between groups), and the group's backend builder turns
 it into the backend's metadata. The attention calls find both in the forward context.
 
+Compiled model (``compile_model``): the forward runs through ``torch.compile`` with the token
+dimension unbacked (:mod:`tqattn.engine.compilation`), compiled by the first call (the engine
+makes that call at start-up); prefill and mixed steps run it directly.
+
 CUDA graphs (CUDA only, unless enforce_eager): pure-decode steps replay a graph captured per
-batch-size bucket, the batch padded to the bucket (padding rows: seq_len 0, slot −1). The graph
-reads static input buffers that each step overwrites; the backends' metadata is built once per
-bucket at capture, over those buffers. That needs every KV-cache group's backend to declare
-``cudagraph_decode`` (its pure-decode metadata is only views of the CommonAttentionMetadata
-device tensors and its decode kernels never sync with the host: TURBOQUANT, FLASH_ATTN); a model
-with a layer on any other backend runs decode eagerly (logged).
+batch-size bucket over the (compiled or eager) forward, the batch padded to the bucket (padding
+rows: seq_len 0, slot −1). The graph reads static input buffers that each step overwrites; the
+backends' metadata is built once per bucket at capture, over those buffers. That needs every
+KV-cache group's backend to declare ``cudagraph_decode`` (its pure-decode metadata is only views
+of the CommonAttentionMetadata device tensors and its decode kernels never sync with the host:
+TURBOQUANT, FLASH_ATTN); a model with a layer on any other backend runs decode eagerly (logged).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from tqattn.attention.backend import AttentionLayer, CommonAttentionMetadata
 from tqattn.attention.forward_context import ForwardContext, set_forward_context
 
+from . import compilation
 from .kv_cache import KVCacheGroup, allocate_kv_caches
 from .sampling import Sampler, SamplingParams
 from .scheduler import ScheduledSeq
@@ -33,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -40,8 +47,13 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, layers: list[AttentionLayer],
-                 groups: list[KVCacheGroup], block_size: int, device: torch.device, seed: int = 0):
+                 groups: list[KVCacheGroup], block_size: int, device: torch.device, seed: int = 0,
+                 compile_model: bool = False):
         self.model = model
+        self.compile_model = compile_model
+        self._logits = compilation.compile_forward() if compile_model else compilation.model_logits
+        self.compile_mark = None  # set when start-up ends: compilations after it are logged
+        self._compiles_seen = (0, 0)
         self.layers = {layer.spec.layer_idx: layer for layer in layers}
         self.groups = groups
         self.block_size = block_size
@@ -127,12 +139,52 @@ class ModelRunner:
                 sample_idx: list[int]) -> torch.Tensor:
         """Logits (len(sample_idx), vocab) at the given flattened token indices."""
         dev = self.device
-        keep = torch.tensor(sample_idx, dtype=torch.int64, device=dev)
+        # A step that samples nothing still takes the logits of one token: the compiled graph
+        # never sees an empty index (the LM head on one row costs next to nothing).
+        keep = torch.tensor(sample_idx or [len(input_ids) - 1], dtype=torch.int64)
         with set_forward_context(ForwardContext(self.layers, self.kv_caches, metadata)):
-            out = self.model(input_ids=_to_device(input_ids, dev)[None],
-                             position_ids=_to_device(positions, dev)[None],
-                             use_cache=False, logits_to_keep=keep)
-        return out.logits[0]
+            logits = self._call_model(_to_device(input_ids, dev), _to_device(positions, dev),
+                                      _to_device(keep, dev))
+        return logits[:len(sample_idx)]
+
+    def _call_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    logits_index: torch.Tensor) -> torch.Tensor:
+        if self.compile_model:
+            logits = compilation.call_compiled(self._logits, self.model, input_ids, positions,
+                                               logits_index)
+        else:
+            logits = self._logits(self.model, input_ids, positions, logits_index)
+        if self.compile_mark is not None:
+            self._compiles_seen = compilation.warn_new(self.compile_mark, self._compiles_seen)
+        return logits
+
+    # ---- dummy steps (start-up) ------------------------------------------------------------------
+
+    def dummy_batch(self, chunks: list[tuple[int, int]]) -> list[ScheduledSeq]:
+        """One scheduled chunk per (num_computed_tokens, num_scheduled_tokens) pair, of dummy
+        sequences (token 0, greedy) whose block tables wrap around the allocated cache: no block
+        manager, no prefix cache. Run before any request, what they write is never read (a
+        request writes each slot before it reads it)."""
+        batch, next_block = [], 0
+        for computed, n in chunks:
+            total = computed + n
+            table = [(next_block + j) % self.num_blocks for j in range(-(-total // self.block_size))]
+            next_block += len(table)
+            seq = Sequence([0] * total, SamplingParams(temperature=0))
+            seq.block_tables = [list(table) for _ in self.groups]
+            batch.append(ScheduledSeq(seq, n, computed > 0 and n == 1, computed))
+        return batch
+
+    @torch.inference_mode()
+    def dummy_prefill(self, num_tokens: int, max_model_len: int) -> None:
+        """A prefill step of num_tokens tokens (prompts of at most max_model_len) on a one-block
+        cache that every slot maps to, freed after: the first call of a compiled model compiles
+        it; on CUDA it also shows the activation peak of the largest step."""
+        self.allocate_kv_cache(1)
+        lens = [min(max_model_len, num_tokens - i) for i in range(0, num_tokens, max_model_len)]
+        self.execute_model(self.dummy_batch([(0, n) for n in lens]))
+        self.kv_caches = {}
+        self.num_blocks = 0
 
     # ---- memory profiling (CUDA) -----------------------------------------------------------------
 
@@ -141,19 +193,11 @@ class ModelRunner:
                             max_model_len: int) -> int:
         """Bytes the KV cache may take: utilization x total memory, minus what is in use now and
         the activation peak of a prefill step of num_tokens tokens (vLLM's profile run)."""
-        self.allocate_kv_cache(1)  # the attention calls need a cache; every slot maps to block 0
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        lens = [min(max_model_len, num_tokens - i) for i in range(0, num_tokens, max_model_len)]
-        scheduled = []
-        for n in lens:
-            seq = Sequence([0] * n, SamplingParams(temperature=0))
-            seq.block_tables = [[0] * -(-n // self.block_size) for _ in self.groups]
-            scheduled.append(ScheduledSeq(seq, n, False, 0))
-        self.execute_model(scheduled)
+        self.dummy_prefill(num_tokens, max_model_len)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        self.kv_caches = {}
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         activations = peak - torch.cuda.memory_allocated()
@@ -182,6 +226,7 @@ class ModelRunner:
         max_bs, max_blocks, dev = buckets[-1], -(-max_model_len // self.block_size), self.device
         self.static = {
             "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "logits_index": torch.arange(max_bs, dtype=torch.int64, device=dev),
             "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
             "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
@@ -207,10 +252,9 @@ class ModelRunner:
 
             def run():
                 with set_forward_context(ctx):
-                    return self.model(input_ids=st["input_ids"][:bs][None],
-                                      position_ids=st["positions"][:bs][None], use_cache=False,
-                                      logits_to_keep=0).logits[0]
-            run()  # warm-up: lazy initialisation happens outside the graph
+                    return self._call_model(st["input_ids"][:bs], st["positions"][:bs],
+                                            st["logits_index"][:bs])
+            run()  # warm-up: lazy initialisation (and any compilation) happens outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -1,0 +1,162 @@
+"""The model outside attention vs the engine's decode step, in one run (issue 24's yardstick).
+
+1. Qwen3-4B (dummy weights) forward over a (1, B) decode batch with a trivial opaque attention
+   op (a copy of q), CUDA-graph replay, eager transformers code vs the engine's compiled forward
+   (tqattn.engine.compilation: torch.compile, token dimension unbacked): median ms at each B,
+   and the compile time.
+2. The engine's decode step through tqattn.LLM (compiled + CUDA graphs, the defaults) for each
+   kv-cache dtype: B sequences with ctx-token prompts, median wall time of pure-decode steps,
+   plus the engine's start-up parts and its compilations after start-up.
+
+    python3 bench/model_step.py --out $OUT/model_step.json
+
+Prints a markdown table (decode step / compiled trivial forward at the same B) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import Timer, environment  # noqa: E402
+from tqattn.engine import compilation  # noqa: E402
+
+TRIVIAL = "bench_trivial"
+
+
+@torch.library.custom_op("bench::trivial_attention", mutates_args=())
+def trivial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q.clone()
+
+
+@trivial_attention.register_fake
+def _(q, k, v):
+    return torch.empty_like(q)
+
+
+def _trivial_hook(module, query, key, value, attention_mask, **kwargs):
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    return trivial_attention(q, k, v).unsqueeze(0), None
+
+
+@torch.inference_mode()
+def model_outside_attention(model_name: str, sizes: list[int]) -> dict:
+    from transformers import AttentionInterface
+
+    from tqattn.models import load_model
+
+    AttentionInterface.register(TRIVIAL, _trivial_hook)
+    t = time.perf_counter()
+    model = load_model(model_name, load_format="dummy", dtype="bfloat16", device="cuda").model
+    model.set_attn_implementation(TRIVIAL)
+    load_s = time.perf_counter() - t
+    timer, out = Timer(flush="none"), {"load_s": load_s, "eager_ms": {}, "compiled_ms": {}}
+    ids = torch.randint(0, 1000, (max(sizes),), device="cuda")
+    pos = torch.arange(max(sizes), device="cuda") + 1000
+    index = torch.arange(max(sizes), device="cuda")
+    compiled = compilation.compile_forward()
+    t = time.perf_counter()
+    compilation.call_compiled(compiled, model, ids, pos, index)
+    torch.cuda.synchronize()
+    out["compile_s"] = time.perf_counter() - t
+    for b in sizes:
+        args = (model, ids[:b], pos[:b], index[:b])
+        out["eager_ms"][b] = timer.graph_us(lambda: compilation.model_logits(*args))["us"] / 1e3
+        out["compiled_ms"][b] = timer.graph_us(
+            lambda: compilation.call_compiled(compiled, *args))["us"] / 1e3
+    out["graph_breaks"] = compilation.graph_breaks()
+    del model, compiled
+    return out
+
+
+def decode_steps(model_name: str, kv_cache_dtype: str, sizes: list[int], ctx: int,
+                 steps: int, kv_bytes: int) -> dict:
+    from tqattn import LLM, SamplingParams
+
+    llm = LLM(model_name, load_format="dummy", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+              max_model_len=ctx + steps + 64, max_num_seqs=max(sizes), max_num_batched_tokens=8192,
+              enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes)
+    engine = llm.llm_engine
+    out = {"startup_times": engine.startup_times, "step_ms": {}, "cache_tokens":
+           engine.plan["cache_tokens"]}
+    for b in sizes:
+        params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+        g = torch.Generator().manual_seed(b)
+        vocab = min(engine.model_info.vocab_size, 1000)
+        rids = [f"{b}-{i}" for i in range(b)]
+        for rid in rids:
+            ids = torch.randint(3, vocab, (ctx,), generator=g).tolist()
+            engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        while not all(engine.requests[r].seq.num_output_tokens for r in rids):
+            engine.step()
+        times = []
+        for _ in range(steps):  # every request is decoding: pure-decode steps
+            t = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - t) * 1e3)
+        out["step_ms"][b] = statistics.median(times)
+        for rid in rids:
+            engine.abort_request(rid)
+    out["compilations_after_startup"] = engine.compilation_counts()
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="Qwen3-4B")
+    p.add_argument("--sizes", default="1,64,256", help="decode batch sizes (tokens per step)")
+    p.add_argument("--kv-cache-dtypes", default="auto,turboquant_k3v4_nc")
+    p.add_argument("--ctx", type=int, default=1024, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
+    p.add_argument("--kv-cache-gib", type=float, default=48.0,
+                   help="KV-cache budget (bf16 needs ~42 GiB for 256 x 1.1K tokens of Qwen3-4B)")
+    p.add_argument("--out", default="model_step.json")
+    args = p.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    result = {"env": environment(), "args": vars(args),
+              "trivial": model_outside_attention(args.model, sizes), "engine": {}}
+    gc.collect()
+    torch.cuda.empty_cache()
+    for dtype in args.kv_cache_dtypes.split(","):
+        result["engine"][dtype] = decode_steps(args.model, dtype, sizes, args.ctx, args.steps,
+                                               int(args.kv_cache_gib * 2**30))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+
+    tr = result["trivial"]
+    print(f"\n{args.model}, trivial attention op: compile {tr['compile_s']:.1f} s, "
+          f"graph breaks {tr['graph_breaks'] or 'none'}")
+    dtypes = list(result["engine"])
+    print("| B | eager fwd ms | compiled fwd ms | " + " | ".join(
+        f"{d} step ms (× compiled fwd)" for d in dtypes) + " |")
+    print("|---|---|---|" + "---|" * len(dtypes))
+    for b in sizes:
+        cells = [f"{result['engine'][d]['step_ms'][b]:.2f} "
+                 f"({result['engine'][d]['step_ms'][b] / tr['compiled_ms'][b]:.2f}×)"
+                 for d in dtypes]
+        print(f"| {b} | {tr['eager_ms'][b]:.2f} | {tr['compiled_ms'][b]:.2f} | "
+              + " | ".join(cells) + " |")
+    for d in dtypes:
+        e = result["engine"][d]
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in e["startup_times"].items())
+        c = e["compilations_after_startup"]
+        print(f"{d}: start-up {parts}; compilations after start-up: Dynamo {c['dynamo']}, "
+              f"Triton {c['triton']} {c['triton_kernels'][:5]}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

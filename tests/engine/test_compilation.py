@@ -1,0 +1,159 @@
+"""The compiled model forward (CPU), the compile switches, start-up parts, compilation counts."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tqattn.engine import compilation
+from tqattn.engine.llm_engine import EngineArgs, resolve_compile_model
+
+from .test_llm_reference import _one_thread, random_prompts  # noqa: F401
+
+pytest.importorskip("transformers")
+
+from tqattn import LLM, SamplingParams  # noqa: E402
+
+SMALL = dict(load_format="dummy", max_model_len=160, max_num_seqs=4, max_num_batched_tokens=64,
+             enable_prefix_caching=False)
+PARTS = {"load", "compile", "kv_cache", "warmup", "cudagraph_capture", "total"}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """qwen3-tiny compiled on CPU (Inductor's C++ backend), and the warm-up steps it ran."""
+    from tqattn.engine import llm_engine
+
+    steps = []
+    with pytest.MonkeyPatch.context() as mp:
+        run = llm_engine.run_warmup
+        mp.setattr(llm_engine, "run_warmup", lambda runner, s: steps.extend(s) or run(runner, s))
+        llm = LLM("qwen3-tiny", compile_model=True, kv_cache_dtype="turboquant_k3v4_nc", **SMALL)
+    return llm, steps
+
+
+def _logits_at(llm, lengths, keep):
+    """Drive the runner's forward at several token counts (fresh prompts, no cache reuse)."""
+    runner = llm.llm_engine.runner
+    out = []
+    for n, k in zip(lengths, keep):
+        batch = runner.dummy_batch([(0, n)])
+        batch[0].seq.token_ids = random_prompts([n], seed=n)[0]
+        ids, pos, md, _ = runner._prepare(batch)
+        with torch.inference_mode():
+            out.append(runner.forward(ids, pos, md, list(range(n - k, n))))
+    return out
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager_without_recompiles(compiled):
+    llm, _ = compiled
+    eager = LLM("qwen3-tiny", kv_cache_dtype="turboquant_k3v4_nc", **SMALL)
+    assert llm.llm_engine.runner.compile_model and not eager.llm_engine.runner.compile_model
+    assert llm.llm_engine.compilation_counts()["total"] == 0
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    lengths, keep = [1, 2, 17, 64, 3, 16, 33], [1, 2, 1, 5, 3, 16, 0]
+    for a, b in zip(_logits_at(llm, lengths, keep), _logits_at(eager, lengths, keep)):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    # a teacher-forced pass (first chunk, continuations) and generation (decodes, mixed steps)
+    ids = random_prompts([90], seed=1)[0]
+    torch.testing.assert_close(llm.score(ids, chunk_size=24), eager.score(ids, chunk_size=24),
+                               atol=2e-5, rtol=1e-5)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 17, 100, 1], seed=2)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run(m):
+        return [o.outputs[0].token_ids for o in m.generate(prompts, params, use_tqdm=False)]
+
+    assert run(llm) == run(eager)
+    counts = llm.llm_engine.compilation_counts()
+    assert counts["dynamo"] == 0, counts["dynamo_frames"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert not compilation.graph_breaks()
+
+
+@pytest.mark.slow
+def test_startup_of_a_compiled_engine(compiled):
+    llm, steps = compiled
+    times = llm.llm_engine.startup_times
+    assert set(times) == PARTS and all(v >= 0 for v in times.values())
+    assert times["total"] == pytest.approx(sum(v for k, v in times.items() if k != "total"), rel=0.05)
+    assert times["compile"] > times["warmup"]  # compiling is the first forward's work
+    assert steps and steps == [tuple(s) for s in steps]  # the warm-up ran, with its steps
+
+
+def test_switches(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_compile_model(EngineArgs(), cuda) is True
+    assert resolve_compile_model(EngineArgs(), cpu) is False
+    assert resolve_compile_model(EngineArgs(enforce_eager=True), cuda) is False
+    assert resolve_compile_model(EngineArgs(compile_model=False), cuda) is False
+    assert resolve_compile_model(EngineArgs(compile_model=True), cpu) is True
+    with pytest.raises(ValueError, match="cannot be combined with compile_model=True"):
+        EngineArgs(enforce_eager=True, compile_model=True)
+    with pytest.raises(ValueError, match="compile_model must be True or False or None, got 'yes'"):
+        EngineArgs(compile_model="yes")
+    with pytest.raises(ValueError, match="enforce_eager must be True or False, got 1"):
+        EngineArgs(enforce_eager=1)
+
+    # eager on CPU by default: the plain forward, no Dynamo, no warm-up, no graphs
+    starts = []
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: starts.append(a) or a[0])
+    for kwargs in ({}, dict(enforce_eager=True), dict(compile_model=False)):
+        llm = LLM("qwen3-tiny", **kwargs, **SMALL)
+        runner = llm.llm_engine.runner
+        assert not runner.compile_model and runner._logits is compilation.model_logits
+        assert not runner.graphs and llm.llm_engine.startup_times["compile"] < 0.05
+    assert not starts
+    llm = LLM("qwen3-tiny", compile_model=True, **SMALL)  # torch.compile stubbed: no compile time
+    assert starts and llm.llm_engine.runner.compile_model
+
+
+def test_compilation_counts_after_startup(caplog):
+    llm = LLM("qwen3-tiny", **SMALL)
+    engine = llm.llm_engine
+    assert engine.compilation_counts() == {"dynamo": 0, "triton": 0, "total": 0,
+                                           "dynamo_frames": [], "triton_kernels": []}
+
+    @torch.compile(backend="eager")
+    def late(x):
+        return x * 2
+
+    late(torch.ones(3))
+    hook = pytest.importorskip("triton").knobs.runtime.jit_post_compile_hook
+    from triton.runtime.jit import JitFunctionInfo
+
+    # Triton calls this hook after building a new kernel variant (never under TRITON_INTERPRET)
+    for _ in range(2):
+        hook(key="k", repr="r", fn=JitFunctionInfo("tqattn.kernels.fake", "_fake_kernel", None),
+             compile={}, is_manual_warmup=False, already_compiled=False)
+    counts = engine.compilation_counts()
+    assert (counts["dynamo"], counts["triton"], counts["total"]) == (1, 2, 3)
+    assert "late" in counts["dynamo_frames"][0]
+    assert counts["triton_kernels"] == ["tqattn.kernels.fake._fake_kernel"] * 2
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    with caplog.at_level(logging.WARNING, logger="tqattn.engine.compilation"):
+        for _ in range(2):  # the next model call logs each new name once
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    warnings = [r.getMessage() for r in caplog.records if "after start-up" in r.getMessage()]
+    assert len(warnings) == 2 and "_fake_kernel" in warnings[1] and "late" in warnings[0]
+
+
+def test_triton_hook_chains_the_previous_one():
+    seen = []
+    hook = compilation._on_triton_compile(lambda **kw: seen.append(kw["fn"]) or "prev")
+    fn = type("Info", (), {"module": "m", "name": "k"})()
+    before = compilation.mark()
+    assert hook(key=0, repr="", fn=fn, compile={}, is_manual_warmup=False,
+                already_compiled=False) == "prev"
+    assert seen == [fn] and compilation.since(before)["triton_kernels"] == ["m.k"]
+
+
+def test_cache_dirs(monkeypatch, tmp_path):
+    monkeypatch.setenv("TQATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/mine")
+    assert compilation.use_cache_dirs() == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                                            "TRITON_CACHE_DIR": "/mine"}

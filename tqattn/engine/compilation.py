@@ -1,0 +1,155 @@
+"""The compiled model forward, where compile caches live, and counting compilations.
+
+The model forward is compiled once (``torch.compile``) with the token dimension unbacked: Dynamo
+treats T as an unknown size, so one graph serves every step, one-token decodes included (a
+backed size of 1 would be specialized into a second graph). Attention inside is the opaque
+``tqattn::attention`` op.
+
+Compilations are counted process-wide: Dynamo frame compiles (a compile-start callback) and
+Triton/Gluon kernel variants built by Triton's JIT (``triton.knobs.runtime.jit_post_compile_hook``,
+called only on a miss of the in-process kernel cache: a new specialization, compiled or loaded
+from Triton's disk cache). Kernels of Inductor's own generated code are built inside a Dynamo
+compile and counted with it. The engine takes a :func:`mark` when start-up ends;
+:func:`since` then says what compiled during the run, and :func:`warn_new` logs each new frame
+or kernel once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+from tqattn.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIRS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+def use_cache_dirs() -> dict[str, str]:
+    """Point Inductor's and Triton's on-disk caches under the tqattn cache directory, unless the
+    user set them; returns the directories in use."""
+    for env, sub in CACHE_DIRS.items():
+        os.environ.setdefault(env, str(cache_root() / sub))
+    return {env: os.environ[env] for env in CACHE_DIRS}
+
+
+def model_logits(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                 logits_index: torch.Tensor) -> torch.Tensor:
+    """Logits (len(logits_index), vocab) of a flattened (T,) step at the given token indices."""
+    return model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                 logits_to_keep=logits_index).logits[0]
+
+
+def compile_forward():
+    """``model_logits`` compiled: call it as :func:`call_compiled` does."""
+    return torch.compile(model_logits, dynamic=False)
+
+
+@torch.inference_mode()
+def call_compiled(fn, model, input_ids, positions, logits_index) -> torch.Tensor:
+    """Run the compiled forward. Steps run in inference mode; Dynamo guards on a tensor being
+    an inference tensor or not, so a normal one (a buffer made outside inference mode) is copied
+    rather than compiled for. The unbacked marks cost an attribute write when nothing compiles."""
+    args = [t if t.is_inference() else t.clone() for t in (input_ids, positions, logits_index)]
+    for t in args:
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    return fn(model, *args)
+
+
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph-break reasons so far in this process (each break costs a graph)."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+# ---- counting --------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_dynamo: list[str] = []   # compile ids, in order
+_triton: list[str] = []   # kernel names, in order
+_warned: set[str] = set()
+
+
+def _on_dynamo_compile(args) -> None:
+    with _lock:
+        _dynamo.append(str(args.compile_id))
+
+
+def _on_triton_compile(prev):
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        with _lock:
+            _triton.append(f"{fn.module}.{fn.name}")
+        if prev is not None:
+            return prev(key=key, repr=repr, fn=fn, compile=compile,
+                        is_manual_warmup=is_manual_warmup, already_compiled=already_compiled)
+        return None
+    hook._tqattn_counter = True
+    return hook
+
+
+def install() -> None:
+    """Start counting (idempotent; again after ``torch._dynamo.reset()``, which drops callbacks).
+    Without triton only Dynamo compiles are counted."""
+    from torch._dynamo.callback import callback_handler
+
+    with _lock:
+        if _on_dynamo_compile not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(_on_dynamo_compile)
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        prev = knobs.runtime.jit_post_compile_hook
+        if not getattr(prev, "_tqattn_counter", False):
+            knobs.runtime.jit_post_compile_hook = _on_triton_compile(prev)
+
+
+def mark() -> tuple[int, int]:
+    """A point in the compile log (e.g. the end of start-up)."""
+    with _lock:
+        return len(_dynamo), len(_triton)
+
+
+def _frame_names(compile_ids: list[str]) -> list[str]:
+    from torch._dynamo.utils import get_compilation_metrics
+
+    by_id = {str(m.compile_id): m for m in get_compilation_metrics()}
+    names = []
+    for cid in compile_ids:
+        m = by_id.get(cid)
+        if m is None:  # still compiling, or dropped from the bounded metrics log
+            names.append(f"frame {cid}")
+        else:
+            reason = f" (recompile: {m.recompile_reason})" if m.recompile_reason else ""
+            names.append(f"frame {cid} {m.co_name} {m.co_filename}:{m.co_firstlineno}{reason}")
+    return names
+
+
+def since(start: tuple[int, int]) -> dict:
+    """Compilations after ``start``: counts and what compiled."""
+    with _lock:
+        dynamo, triton = _dynamo[start[0]:], _triton[start[1]:]
+    return {"dynamo": len(dynamo), "triton": len(triton), "total": len(dynamo) + len(triton),
+            "dynamo_frames": _frame_names(dynamo), "triton_kernels": triton}
+
+
+def warn_new(start: tuple[int, int], seen: tuple[int, int]) -> tuple[int, int]:
+    """Log once per name what compiled after ``start`` and was not logged by an earlier call
+    (``seen``: what that call returned); returns the new ``seen``."""
+    now = mark()
+    if now == seen:
+        return now
+    new = since((max(start[0], seen[0]), max(start[1], seen[1])))
+    for kind, names in (("Dynamo", new["dynamo_frames"]), ("Triton kernel", new["triton_kernels"])):
+        for name in names:
+            key = name if kind != "Dynamo" else name.split(" ", 2)[-1]
+            if key not in _warned:
+                _warned.add(key)
+                logger.warning("compilation after start-up (a stall of this step): %s %s; "
+                               "the warm-up did not reach this variant", kind, name)
+    return now

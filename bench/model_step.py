@@ -49,7 +49,7 @@ def _trivial_hook(module, query, key, value, attention_mask, **kwargs):
 
 
 @torch.inference_mode()
-def model_outside_attention(model_name: str, sizes: list[int]) -> dict:
+def model_outside_attention(model_name: str, sizes: list[int], backed: bool = False) -> dict:
     from transformers import AttentionInterface
 
     from tqattn.models import load_model
@@ -74,6 +74,24 @@ def model_outside_attention(model_name: str, sizes: list[int]) -> dict:
         out["compiled_ms"][b] = timer.graph_us(
             lambda: compilation.call_compiled(compiled, *args))["us"] / 1e3
     out["graph_breaks"] = compilation.graph_breaks()
+    if backed:
+        # lab: the token dimension as a backed dynamic size (min 2: sizes 0/1 are specialized),
+        # against the product's unbacked one; measured at max(b, 2)
+        out["backed_ms"] = {}
+        fn = torch.compile(compilation.model_logits, dynamic=False)
+
+        def call(n):
+            a = [ids[:n].clone(), pos[:n].clone(), index[:n].clone()]
+            for x in a:
+                torch._dynamo.mark_dynamic(x, 0, min=2)
+            return fn(model, *a)
+        t = time.perf_counter()
+        call(max(sizes))
+        torch.cuda.synchronize()
+        out["backed_compile_s"] = time.perf_counter() - t
+        for b in sizes:
+            n = max(b, 2)
+            out["backed_ms"][b] = timer.graph_us(lambda: call(n))["us"] / 1e3
     del model, compiled
     return out
 
@@ -122,14 +140,17 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
     p.add_argument("--kv-cache-gib", type=float, default=48.0,
                    help="KV-cache budget (bf16 needs ~42 GiB for 256 x 1.1K tokens of Qwen3-4B)")
+    p.add_argument("--backed", action="store_true",
+                   help="also time the trivial forward compiled with a backed dynamic token size")
+    p.add_argument("--skip-engine", action="store_true", help="only the trivial forward")
     p.add_argument("--out", default="model_step.json")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     result = {"env": environment(), "args": vars(args),
-              "trivial": model_outside_attention(args.model, sizes), "engine": {}}
+              "trivial": model_outside_attention(args.model, sizes, args.backed), "engine": {}}
     gc.collect()
     torch.cuda.empty_cache()
-    for dtype in args.kv_cache_dtypes.split(","):
+    for dtype in ([] if args.skip_engine else args.kv_cache_dtypes.split(",")):
         result["engine"][dtype] = decode_steps(args.model, dtype, sizes, args.ctx, args.steps,
                                                int(args.kv_cache_gib * 2**30))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -154,6 +175,9 @@ def main() -> int:
         c = e["compilations_after_startup"]
         print(f"{d}: start-up {parts}; compilations after start-up: Dynamo {c['dynamo']}, "
               f"Triton {c['triton']} {c['triton_kernels'][:5]}")
+    if args.backed:
+        print("backed token size: compile %.1f s; " % tr["backed_compile_s"] + ", ".join(
+            f"B={b}: {tr['backed_ms'][b]:.2f} ms" for b in sizes))
     print(f"wrote {args.out}")
     return 0
 

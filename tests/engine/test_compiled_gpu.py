@@ -40,8 +40,13 @@ def test_compiled_equals_eager_teacher_forced(name, kv_cache_dtype, dtype):
     ids = random_prompts([300], seed=4)[0]
     for chunk in (1, 64):
         lp, ref = compiled.score(ids, chunk_size=chunk), eager.score(ids, chunk_size=chunk)
-        if dtype == "float32":
+        if dtype == "float32" and kv_cache_dtype == "auto":
             torch.testing.assert_close(lp, ref, atol=1e-3, rtol=1e-4)
+        elif dtype == "float32":
+            # a rounding difference can move a value across a code boundary, which the
+            # compressed cache then keeps: compare distributions, not elements
+            kl, top1 = _kl_and_top1(lp, ref)
+            assert kl <= 1e-5 and top1 >= 0.99, (chunk, kl, top1)
         else:
             kl, top1 = _kl_and_top1(lp, ref)
             assert kl <= 1e-3 and top1 >= 0.97, (chunk, kl, top1)

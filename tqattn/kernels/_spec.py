@@ -17,6 +17,7 @@ import torch
 
 from ..quant.codec import TQCodec
 from ..quant.paged import column_major, field_words
+from ..quant.rotation import is_signed_hadamard
 
 
 def next_pow2(n: int) -> int:
@@ -134,6 +135,7 @@ class KernelSpec:
         self.table = torch.cat(tables) if tables else torch.zeros(1)
         self._dev: dict = {}
         self.asm_meta: dict = {}      # decode._asm_meta per "asm on" flag
+        self.mma = _mma_layout(self)
 
     def tables_on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(lookup/boundary table fp32, rotation fp32) on device, cached."""
@@ -152,6 +154,25 @@ def kernel_spec(codec: TQCodec, block_size: int) -> KernelSpec:
     if spec is None:
         spec = _SPECS[key] = KernelSpec(codec, block_size)
     return spec
+
+
+def _mma_layout(spec: KernelSpec) -> bool:
+    """Whether the tensor-core kernel (kernels/decode_mma.py) reads this layout and stores a
+    step's new token into it: 3-bit centroid keys (one column-major field of 16 words, folded
+    norm, no outliers), 4-bit uniform values of 64 bytes, head size 128, no padding bytes, and a
+    rotation diag(s)·H/√128 (every head size 128 rotation of quant/rotation.py)."""
+    m, kf, vf = spec.meta, spec.key_fields, spec.value_fields
+    return (m["D"] == 128 and len(kf) == 1 and kf[0].cm and kf[0].lut >= 0 and kf[0].g == 16
+            and kf[0].bits == 3 and not m["K_FP8"] and m["K_NOUT"] == 0 and m["K_CORR"] == 1
+            and not m["V_TQ"] and len(vf) == 1 and vf[0].bits == 4 and vf[0].w == 1
+            and vf[0].g == 64 and m["V_LEVELS"] == 15 and m["PAD_N"] == 0
+            and is_signed_hadamard(spec.codec.rotation.float().cpu()))
+
+
+def interpreted(device) -> bool:
+    """Whether kernels on this device run under triton's interpreter (CPU tensors: the inline
+    asm, native fp8 conversions and TF32 dots exist only in compiled kernels)."""
+    return torch.device(device).type != "cuda"
 
 
 def num_sms(device) -> int:

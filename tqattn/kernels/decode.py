@@ -14,8 +14,8 @@ gathered at its channel (L1 hits) times its value.
 Inner loop: a packed word holds CPW codes (8 for 3-bit, 2 for 4-bit); code i of every word
 forms its own ``[BLOCK_N, G]`` tile and its own ``tl.dot`` with the matching query columns
 (``g·CPW + i``, gathered once before the loop), so codes are never interleaved back into
-coordinate order. The raw bytes of tile t+1 are loaded into registers while tile t is computed
-(``PREFETCH``). Splits write a normalised partial output and its LSE; a second small kernel
+coordinate order. The raw bytes of tile t+1 are loaded into registers while tile t is computed.
+Splits write a normalised partial output and its LSE; a second small kernel
 merges them. The grid depends only on the batch size (and ``max_query_len``); the tiles each
 split walks come from ``seq_lens`` on the device: CUDA-graph safe, no host sync.
 
@@ -23,11 +23,11 @@ Code → fp16 conversion: 3-bit codes (keys, tq or uniform values) and 4-bit uni
 through inline-asm register ``prmt`` tables (kernels/_asm.py) fed by int32 word loads; other
 widths through byte loads, shifts and centroid gathers (also the interpreter's path).
 
-Dispatch: 3-bit centroid keys + 4-bit uniform values at head size 128, one row per sequence,
-no window / soft-cap (``turboquant_k3v4_nc``) go to the Gluon tensor-core kernel
-(kernels/decode_mma.py: 0.31-0.50x FA3's time at >= 16K, bench/results/decode_h200_s5_2.md);
-everything else runs this kernel, which stays latency-bound (turboquant_k3v4_nc here ≈ 1.0x
-FA3, tq_k4v3 1.2-1.8x, ~20-50 % of the copy bandwidth; bench/results/decode_notes.md).
+Dispatch (kernels/step.py): the layouts of ``_spec.mma_layout`` (``turboquant_k3v4_nc``) at one
+row per sequence, no window / soft-cap go to the Gluon tensor-core kernel (kernels/decode_mma.py),
+which also stores a step's new K/V itself; everything else runs this kernel, after the store
+kernel for new K/V. This kernel is latency-bound, well below the copy bandwidth
+(bench/results/README.md).
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ import triton.language as tl
 
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
-from . import _asm, _tl, store
-from ._spec import default_scale, kernel_spec, next_pow2, num_sms
+from . import _asm, _tl, step, store
+from ._spec import default_scale, interpreted, kernel_spec, next_pow2, num_sms
 
 try:  # Gluon (triton.experimental) tensor-core path; optional
     from . import decode_mma
 except ImportError:  # pragma: no cover - older triton without Gluon
     decode_mma = None
+
 
 @triton.jit
 def _raw_field(cache_ptr, pbase, tip, ok, BS: tl.constexpr, OFF: tl.constexpr, W: tl.constexpr,
@@ -376,8 +377,7 @@ def _decode_split_kernel(
         HAS_SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HK: tl.constexpr,
         K0_ASM: tl.constexpr, K0_KASM: tl.constexpr, K1_ASM: tl.constexpr, K1_KASM: tl.constexpr,
         V_ASM: tl.constexpr, V_VASM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS, PREFETCH: tl.constexpr,
-        FP8_NATIVE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS, FP8_NATIVE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, K_NOUT: tl.constexpr,
         K_NOUTP: tl.constexpr, KOI_OFF: tl.constexpr, KOV_OFF: tl.constexpr,
         HAS_K1: tl.constexpr,
@@ -473,20 +473,13 @@ def _decode_split_kernel(
         for t in range(t0, t1):
             tok = start + t * BLOCK_N + ar
             ok = tok < range_hi
-            if PREFETCH:
-                (ka_n, kb_n, kc_n, kd_n, ke_n, kf_n, va_n, vb_n, vc_n, vd_n, ve_n, vf_n, n1_n,
-                 n2_n, n3_n) = _load_tile(
-                    cache_ptr, bt_row, start + (t + 1) * BLOCK_N,
-                    tl.where(t + 1 < t1, range_hi, 0), sc_b, kvh_off, BS, BLOCK_N, K0_ASM, K1_ASM,
-                    V_ASM, K_FP8, KN_OFF, HAS_K1, K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W,
-                    K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF, VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G,
-                    V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
-            elif t > t0:
-                ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3 = _load_tile(
-                    cache_ptr, bt_row, start + t * BLOCK_N, range_hi, sc_b, kvh_off, BS, BLOCK_N,
-                    K0_ASM, K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1, K0_OFF, K0_W, K0_G, K0_GP, K0_CM,
-                    K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF, VZ_OFF, HAS_V1, V0_OFF,
-                    V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
+            (ka_n, kb_n, kc_n, kd_n, ke_n, kf_n, va_n, vb_n, vc_n, vd_n, ve_n, vf_n, n1_n,
+             n2_n, n3_n) = _load_tile(
+                cache_ptr, bt_row, start + (t + 1) * BLOCK_N,
+                tl.where(t + 1 < t1, range_hi, 0), sc_b, kvh_off, BS, BLOCK_N, K0_ASM, K1_ASM,
+                V_ASM, K_FP8, KN_OFF, HAS_K1, K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W,
+                K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF, VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G,
+                V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
 
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             if K0_ASM:
@@ -573,10 +566,9 @@ def _decode_split_kernel(
                     ab5 = _pv(ab5, alpha, pv, vb5)
                     ab6 = _pv(ab6, alpha, pv, vb6)
                     ab7 = _pv(ab7, alpha, pv, vb7)
-            if PREFETCH:
-                ka, kb, kc, kd, ke, kf = ka_n, kb_n, kc_n, kd_n, ke_n, kf_n
-                va, vb, vc, vd, ve, vf = va_n, vb_n, vc_n, vd_n, ve_n, vf_n
-                n1, n2, n3 = n1_n, n2_n, n3_n
+            ka, kb, kc, kd, ke, kf = ka_n, kb_n, kc_n, kd_n, ke_n, kf_n
+            va, vb, vc, vd, ve, vf = va_n, vb_n, vc_n, vd_n, ve_n, vf_n
+            n1, n2, n3 = n1_n, n2_n, n3_n
 
         has = l_i > 0.0
         inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -615,56 +607,23 @@ def _merge_kernel(po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, out_ptr, 
                  tl.where(tot > 0.0, mx_use + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf")))
 
 
-# BLOCK_N / num_warps None: picked per path by launch_config. Measured on the H200
-# (bench/results/decode_tune_s4_h200.md): 3-bit keys through inline asm are fastest at 64
-# tokens / 2 warps (~235 registers: 4 programs per SM), asm values with byte-wise keys at
-# 32 tokens / 1 warp, the byte-wise paths at 4 warps and the largest tile that does not spill
-# (_block_n). Triton's own pipelining (num_stages > 1) routes the centroid gathers through
-# shared memory and is 3-4x slower. MMA: the tensor-core kernel where it applies
-# (decode_mma.supported); mma_programs_per_sm / mma_pdl None: chosen per call (_decode_mma).
-# mma_prefetch: the words of the next tile in flight (8 programs per SM instead of 12) won at
-# every shape measured, B = 1-128, 4K-64K (bench/results/decode_tune_s7_prefetch_h200_prelim.md,
-# decode_tune_s7_2_prefetch_h200_prelim.md: B = 1 at 64K 56.8 vs 71.6 µs, B = 8 at 16K 60.4 vs
-# 64.9). mma_store_warps: the warps of the store + query-rotation launch of a decode step
-# (None: the store's decode-size default). qrot_block: rows per program of the query rotation
-# (None: kernels/qrot.py's choice by row count). mma_maxnreg: the register cap of the
-# tensor-core kernel (None: decode_mma.MAXNREG for its prefetch mode). mma_store_key_splits:
-# programs per key row block in that launch (kernels/store.py key_splits; None: 2 while the
-# launch fits one wave). mma_qrot: the decode kernel rotates the query itself (a Walsh–Hadamard
-# transform in each program, decode_mma._fused_query) instead of a rotation launch; None: for
-# calls without new K/V (B = 32 at 16K 174.1 → 171.8 µs, 128x4K 176.6 → 170.4, 8x64K 178.7 →
-# 173.8: bench/results/decode_tune_s11_had_h200_prelim.md), while a step with new K/V keeps the
-# store + rotation launch (its step measured 2-3 µs shorter than the store alone followed by
-# the rotating decode: decode_tune_s11_pipe_h200_prelim.md). mma_fused_store: a step's new
-# K/V stored by the decode kernel itself (decode_mma._store_new_token; it also rotates the
-# query), one launch per step: the step's store cost at 16K 6.7 → 2.0 µs at B = 32, 15.4 → 3.2
-# at B = 128 (bench/results/decode_tune_s11_fstore2_h200_prelim.md). Where it does not apply
-# (layouts other than decode_mma.fused_store_supported, several rows per sequence) the store
-# runs in the rotation's launch as before.
-DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
-            "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
-            "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
-            "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None,
-            "mma_store_key_splits": None, "mma_qrot": None, "mma_fused_store": True}
+# Programs per SM the split count aims at (several waves of short programs hide the tail).
+TARGET_PROGRAMS = 8
 
 
-def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
-    """(config, asm constexprs) of a call: DEFAULTS, the per-preset choices, then ``tune``."""
-    cfg = {**DEFAULTS, **tune}
-    asm = _asm_meta(spec, cfg["ASM"] and not interp)
-    # per path, from the H200 sweep over every preset (bench/results/decode_tune_s4_h200.md)
+def launch_config(spec, interp: bool) -> tuple[int, int, dict]:
+    """(BLOCK_N, num_warps, asm constexprs) of the portable kernel for a layout, per path: 3-bit
+    keys through inline asm at 64 tokens / 2 warps (~235 registers: 4 programs per SM; 32 with
+    outliers, whose gathers spill at 64), asm values with byte-wise keys at 32 tokens / 1 warp,
+    the byte-wise paths at 4 warps and the largest tile that does not spill (_block_n). The
+    kernel runs with num_stages=1: triton's pipelining routes the centroid gathers through
+    shared memory and is 3-4x slower."""
+    asm = _asm_meta(spec, not interp)
     if asm["K0_ASM"]:
-        # outlier gathers at 64 tokens: ~5K spill instructions in the loop (sass_stats)
-        warps, block_n = 2, 32 if spec.meta["K_NOUT"] else 64
-    elif asm["V_ASM"]:
-        warps, block_n = 1, 32
-    else:
-        warps, block_n = 4, _block_n(spec)
-    if cfg["num_warps"] is None:
-        cfg["num_warps"] = warps
-    if cfg["BLOCK_N"] is None:
-        cfg["BLOCK_N"] = block_n
-    return cfg, asm
+        return (32 if spec.meta["K_NOUT"] else 64), 2, asm
+    if asm["V_ASM"]:
+        return 32, 1, asm
+    return _block_n(spec), 4, asm
 
 
 def _asm_meta(spec, on: bool) -> dict:
@@ -706,62 +665,27 @@ def _block_n(spec) -> int:
     return 128 if cost <= 300 else 64 if cost <= 420 else 32
 
 
-def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num_splits, out,
-                return_lse, new_kv=None):
-    """The tensor-core path (kernels/decode_mma.py): by default one decode launch that rotates
-    the query and stores ``new_kv`` (if any) itself, whose last split per group writes ``out``
-    (and the LSE); with the config knobs off, a query rotation launch (which also stores
-    ``new_kv``) before it."""
+def _decode_mma(spec, q, kv_cache, block_table, seq_lens, scale, group, num_splits, out,
+                return_lse, new_kv):
+    """The tensor-core path (kernels/decode_mma.py): one launch that rotates the query, stores
+    ``new_kv`` (if any) and merges the splits into ``out`` (and the LSE)."""
     rows, hq, d = q.shape
     batch, hk = seq_lens.numel(), kv_cache.shape[1]
-    pdl = cfg["mma_pdl"]
-    if pdl is None:  # the decode kernel starts during the rotation kernel (sm_90+)
-        pdl = decode_mma.pdl_supported(q.device)
-    qscale = kernel_kv = None
-    fused_rot = decode_mma.fused_rotation_supported(spec)
-    # one launch: the decode kernel stores the new token (and rotates the query)
-    fused_store = (new_kv is not None and cfg["mma_fused_store"] and rows == batch
-                   and fused_rot and decode_mma.fused_store_supported(spec))
-    if fused_store or fused_rot and (new_kv is None if cfg["mma_qrot"] is None
-                                     else cfg["mma_qrot"]):
-        qscale = decode_mma.query_rotation(spec, q.device, scale)[1]
-        qk = q if q.stride(-1) == 1 else q.contiguous()
-        if fused_store:
-            kernel_kv = tuple(x if x.stride(-1) == 1 else x.contiguous()
-                              for x in new_kv[:2]) + (new_kv[2],)
-        elif new_kv is not None:
-            store.store_kv_triton(spec.codec, *new_kv[:2], kv_cache, new_kv[2],
-                                  num_warps=cfg["mma_store_warps"], launch_dependents=pdl,
-                                  key_splits=cfg["mma_store_key_splits"])
-        if new_kv is None or fused_store:
-            pdl = False  # no kernel of this call before the decode
-    elif new_kv is None:
-        qk = decode_mma.rotated_query(spec, q, scale, pdl, cfg["qrot_block"])
-    else:
-        qk = store.store_kv_and_rotate_query(spec.codec, *new_kv[:2], kv_cache, new_kv[2], q,
-                                             *decode_mma.query_rotation(spec, q.device, scale),
-                                             launch_dependents=pdl,
-                                             num_warps=cfg["mma_store_warps"],
-                                             key_splits=cfg["mma_store_key_splits"])
-    # new_kv: each sequence's token at seq_len − 1 is stored by the rotation kernel
-    early = True if new_kv is None or fused_store else "except_last"
-    prefetch = cfg["mma_prefetch"]
+    if new_kv is not None:
+        new_kv = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in new_kv[:2]) + (
+            new_kv[2],)
     if num_splits is None:
         # exactly one wave of one-warp programs: a partial second wave idles most SMs
-        # (bench/results/decode_tune_s6_2_h200_prelim.md: 13 programs per SM where 12 fit
-        # took 84 µs at B = 8, 16K; 12: 67 µs)
-        per_sm = cfg["mma_programs_per_sm"] or decode_mma.programs_per_sm(
-            spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early,
-            cfg["mma_maxnreg"], qscale, kernel_kv)
+        per_sm = decode_mma.programs_per_sm(spec, q, kv_cache, block_table, seq_lens, group,
+                                            new_kv)
         num_splits = max(1, min(64, per_sm * num_sms(q.device) // (batch * hk)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
-    decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                      num_splits, prefetch, pdl, early_loads=early, maxnreg=cfg["mma_maxnreg"],
-                      qscale=qscale, new_kv=kernel_kv)
+    decode_mma.launch(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
+                      num_splits, scale, new_kv)
     return (out, lse) if return_lse else out
 
 
@@ -772,20 +696,19 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
                             scale: float | None = None, window: int | None = None,
                             softcap: float = 0.0, return_lse: bool = False,
                             max_query_len: int | None = None, num_splits: int | None = None,
-                            out: torch.Tensor | None = None, new_kv: tuple | None = None,
-                            **tune):
+                            out: torch.Tensor | None = None, new_kv: tuple | None = None):
     """Triton decode attention; arguments and row semantics as decode_attention_ref.
 
     ``new_kv`` = (key, value, slot_mapping): the step's new K/V (one token per sequence, at
     position seq_len − 1), stored before they are read (as
-    :func:`tqattn.kernels.store.store_kv_triton`); on the tensor-core path by the decode kernel
-    itself (``mma_fused_store``), else in one launch with the query rotation
-    (``store_kv_and_rotate_query``).
+    :func:`tqattn.kernels.store.store_kv_triton`): by the tensor-core decode kernel itself, else
+    by the store kernel first (:func:`tqattn.kernels.step.decode_kernel_store`).
 
     ``max_query_len`` (rows per sequence, 1 without ``query_start_loc``) fixes the grid; when
     omitted with ``query_start_loc`` it is read from the device (a host sync — pass it under CUDA
-    graphs). ``num_splits`` overrides the split count (default: enough programs to fill the GPU
-    ``target_programs`` times over).
+    graphs). ``num_splits`` overrides the split count (default: one wave of the tensor-core
+    kernel's resident programs; the portable kernel's programs fill the GPU TARGET_PROGRAMS
+    times over).
     """
     rows, hq, d = q.shape
     nb, hk, _ = kv_cache.shape
@@ -796,7 +719,6 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be float16/bfloat16/float32, got {q.dtype}")
     spec = kernel_spec(codec, bs)
-    cfg, asm = launch_config(spec, tune, q.device.type != "cuda")
     if q.stride(-1) != 1:
         q = q.contiguous()
     group = hq // hk
@@ -809,18 +731,17 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     block_m = max(16, min(64, next_pow2(max_query_len * group)))
     row_blocks = triton.cdiv(max_query_len * group, block_m)
     plain = query_start_loc is None and query_pos_start is None and not window and not softcap
-    mma = (cfg["MMA"] and cfg["ASM"] and decode_mma is not None
-           and decode_mma.supported(spec, q, group, plain))
-    if mma:
-        return _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens,
-                           default_scale(codec, scale), group, num_splits, out, return_lse,
-                           new_kv)
+    if step.decode_kernel_store(spec, q, hk, plain) == step.DECODE_KERNEL:
+        return _decode_mma(spec, q, kv_cache, block_table, seq_lens, default_scale(codec, scale),
+                           group, num_splits, out, return_lse, new_kv)
     if new_kv is not None:
         store.store_kv_triton(codec, new_kv[0], new_kv[1], kv_cache, new_kv[2])
+    interp = interpreted(q.device)
+    block_n, num_warps, asm = launch_config(spec, interp)
     lut, rot = spec.tables_on(q.device)
     qk = q if spec.meta["K_FP8"] else (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
     if num_splits is None:
-        num_splits = max(1, min(64, triton.cdiv(cfg["target_programs"] * num_sms(q.device),
+        num_splits = max(1, min(64, triton.cdiv(TARGET_PROGRAMS * num_sms(q.device),
                                                 batch * hk * row_blocks)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -828,7 +749,6 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     qsl = query_start_loc if query_start_loc is not None else dummy
     qpos = query_pos_start if query_pos_start is not None else dummy
     grid = (batch * hk, num_splits, row_blocks)
-    interp = q.device.type != "cuda"
     _decode_split_kernel[grid](
         qk, qk.stride(0), qk.stride(1), q, q.stride(0), q.stride(1), kv_cache,
         kv_cache.stride(0), kv_cache.stride(1),
@@ -839,10 +759,8 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
         spec.kfac, spec.vfac,
         HAS_QSL=query_start_loc is not None, HAS_QPOS=query_pos_start is not None,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), GROUP=group, HK=hk,
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
-        PREFETCH=cfg["PREFETCH"], **asm,
-        FP8_NATIVE=not interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}), **spec.meta)
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, **asm,
+        FP8_NATIVE=not interp, num_warps=num_warps, num_stages=1, **spec.meta)
 
     v_rot = spec.meta["V_TQ"]
     if out is None:

@@ -16,7 +16,7 @@ import triton.language as tl
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
 from . import _tl
-from ._spec import kernel_spec
+from ._spec import interpreted, kernel_spec
 
 
 @triton.jit
@@ -148,16 +148,14 @@ def _dequant_kernel(
                      mask=ok[:, None] & (col < D)[None, :])
 
 
-# tokens per program and warps: fastest of the H200 sweep (bench/results/store_dequant_h200.json,
-# 8K prefix: 140 µs vs 177 µs at 32 tokens for one sequence, 996 vs 1188 µs for eight)
-DEFAULTS = {"block_n": 128, "num_warps": 4}
+# tokens per program and warps (bench/store_dequant.py sweeps them)
+BLOCK_N, NUM_WARPS = 128, 4
 
 
 def dequant_kv_triton(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                       max_seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      block_n: int | None = None, num_warps: int | None = None):
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Paged cache → (K, V) (total_tokens, Hk, D) of ``dtype`` in the original basis, sequence b at
     rows ``cu_seqlens[b]:cu_seqlens[b] + seq_lens[b]``.
 
@@ -182,13 +180,11 @@ def dequant_kv_triton(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch
     if max_seq_len == 0 or seq_lens.numel() == 0:
         return k_out, v_out
     lut, rot = spec.tables_on(dev)
-    block_n = block_n or DEFAULTS["block_n"]
-    num_warps = num_warps or DEFAULTS["num_warps"]
-    grid = (triton.cdiv(max_seq_len, block_n), seq_lens.numel(), hk)
+    grid = (triton.cdiv(max_seq_len, BLOCK_N), seq_lens.numel(), hk)
     _dequant_kernel[grid](
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), block_table, block_table.stride(0),
         seq_lens, cu_seqlens, k_out, k_out.stride(0), k_out.stride(1), v_out, v_out.stride(0),
         v_out.stride(1), lut, rot, spec.kfac, spec.vfac,
-        HK=hk, BLOCK_N=block_n, BD=min(32, spec.meta["DP"]), FP8_NATIVE=dev.type == "cuda",
-        num_warps=num_warps, **spec.meta)
+        HK=hk, BLOCK_N=BLOCK_N, BD=min(32, spec.meta["DP"]), FP8_NATIVE=not interpreted(dev),
+        num_warps=NUM_WARPS, **spec.meta)
     return k_out, v_out

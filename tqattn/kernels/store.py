@@ -11,13 +11,14 @@ reference except where the different summation order / the dropped lo·lo term m
 across a bucket boundary (rare, bounded in the tests). Outlier-split keys: the m largest-|k|
 channels are picked by m arg-max passes (ties → the lower channel, as the reference's stable
 sort); the rotation of k − Σ o_c e_c is the rotation of k minus Σ o_c R[c, :] (rows gathered
-after the dots, so nothing sits between the load and the TF32 split). Rows per program and
-timings: bench/results/store_dequant_h200.json.
+after the dots, so nothing sits between the load and the TF32 split).
 
 At decode sizes a step's time includes the store's slowest program (a key program: the decode
 launches when it ends), so that program's latency chain is kept short: the table scalars and
-the rotation (one chunk) are loaded first, next to the rows, and the three TF32 dots accumulate
-in separate chains (bench/results/decode_notes.md, session 10).
+the rotation (one chunk) are loaded first, next to the rows, the three TF32 dots accumulate
+in separate chains, and a key row block's coordinates may be split over several programs
+(auto_key_splits). Launch sizes are module constants (ROWS_PER_PROGRAM, DECODE_*); how they
+were chosen: bench/results/README.md.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import triton.language as tl
 
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
-from . import _tl, qrot
-from ._spec import kernel_spec, num_sms
+from . import _tl
+from ._spec import interpreted, kernel_spec, num_sms
 
 
 @triton.jit
@@ -346,10 +347,6 @@ def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
         _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
 
 
-QROT_BLOCK = tl.constexpr(qrot.FUSED_BLOCK)
-QROT_BLOCK_C = tl.constexpr(qrot.BLOCK_C)
-
-
 @triton.jit
 def _store_kernel(
         k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h, rot_ptr, tab_ptr,
@@ -372,19 +369,12 @@ def _store_kernel(
         V1_OFF: tl.constexpr, V1_BITS: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr,
         V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
         V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
-        PAD_OFF: tl.constexpr, PAD_N: tl.constexpr,
-        q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, HAS_Q: tl.constexpr,
-        LAUNCH_DEPENDENTS: tl.constexpr, ss_ptr, cnt_ptr, KS: tl.constexpr):
+        PAD_OFF: tl.constexpr, PAD_N: tl.constexpr, ss_ptr, cnt_ptr, KS: tl.constexpr):
     # programs: [0, KS·n_kv) keys of row block pid // KS (part pid % KS of its coordinates),
-    # [KS·n_kv, (KS+1)·n_kv) values; with HAS_Q, then the query rotation's blocks
-    # (kernels/qrot.py), so a decode step stores and rotates in one launch
+    # [KS·n_kv, (KS+1)·n_kv) values
     pid = tl.program_id(0)
     n_kv = tl.maximum(tl.cdiv(N_ROWS, HB), 1)
     n_k = KS * n_kv
-    if HAS_Q:
-        if pid >= n_k + n_kv:
-            qrot.rotate_block(q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, pid - n_k - n_kv, D,
-                              QROT_BLOCK, QROT_BLOCK_C)
     if pid < n_k + n_kv:
         is_key = pid < n_k
         rb = tl.where(is_key, pid // KS, pid - n_k)
@@ -446,48 +436,27 @@ def _store_kernel(
         if PAD_N > 0:
             tl.store(cache_ptr + base + PAD_OFF + off, tl.zeros([HB], tl.uint8),
                      mask=h_ok & is_key & (part == 0))
-    # the decode kernel (a programmatic dependent) may launch once every program got here:
-    # triggered at the start instead, its waiting programs took the SM slots its one-wave
-    # split count assumes (B = 128, 16K: +75 µs)
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
-ROWS_PER_PROGRAM = 16  # (token, KV head) rows; see the module docstring
+ROWS_PER_PROGRAM = 16  # (token, KV head) rows per program
 # decode-size steps (few rows: every program's latency chain is the kernel's time) load the
-# whole rotation at once with 8 warps: 10.8-11.7 µs vs 12.1-12.8 with 32-wide chunks and 4 warps
-# (H200, N = 8-128 tokens; bench/results/store_decode_s6_h200.json, store_decode_s6_2_h200.json)
+# whole rotation at once with 8 warps; larger steps rotate in 32-wide K chunks with 4 warps
 DECODE_ROWS, DECODE_BLOCK_K, DECODE_WARPS = 1024, 128, 8
+BLOCK_K, WARPS = 32, 4
 
 
 def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    rows_per_program: int | None = None,
-                    rotation_precision: str | None = None, block_k: int | None = None,
-                    num_warps: int | None = None, query: tuple | None = None,
-                    launch_dependents: bool = False, key_splits: int | None = None,
-                    _allow_empty: bool = False) -> None:
+                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place.
 
-    ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM; ``block_k`` (the
-    rotation's K chunk, a power of two >= 16) and ``num_warps`` are tuning knobs. ``query``
-    and ``launch_dependents``: see :func:`store_kv_and_rotate_query`. ``key_splits`` (1, 2, 4):
-    programs per key row block, each rotating and coding a part of its coordinates (a shorter
-    latency chain for decode-size steps; single-field keys without outliers, rotation in one
-    chunk; else 1); None: 2 while the launch's programs fit one wave on the device, else 1
-    (:func:`auto_key_splits`).
-    ``rotation_precision``: "tf32x3" (three TF32 tensor-core dots, the default on CUDA) or
-    "ieee" (fp32 FMA dots, the default elsewhere: the interpreter has no TF32).
+    The rotation runs as three TF32 tensor-core dots on CUDA ("tf32x3") and as IEEE fp32 dots
+    under the interpreter, which has no TF32.
     """
-    if rotation_precision is None:
-        rotation_precision = "tf32x3" if key.device.type == "cuda" else "ieee"
-    if rotation_precision not in ("tf32x3", "ieee"):
-        raise ValueError(f"rotation_precision={rotation_precision!r}; valid: 'tf32x3', 'ieee'")
     n, hk, d = key.shape
     if value.shape != key.shape or d != codec.head_dim or kv_cache.shape[1] != hk:
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit a cache "
                          f"of {kv_cache.shape[1]} KV heads at head size {codec.head_dim}")
-    if n == 0 and not _allow_empty:
+    if n == 0:
         return
     bs = cache_block_size(codec, kv_cache)
     spec = kernel_spec(codec, bs)
@@ -497,43 +466,31 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     if value.stride(-1) != 1:
         value = value.contiguous()
     rows = n * hk
-    hb = rows_per_program or ROWS_PER_PROGRAM
+    hb = ROWS_PER_PROGRAM
     dp = spec.meta["DP"]
     small = rows <= DECODE_ROWS
-    bk = block_k or min(DECODE_BLOCK_K if small else 32, dp)
-    num_warps = num_warps or (DECODE_WARPS if small else 4)
-    if bk < 16 or bk & (bk - 1) or bk > dp:
-        raise ValueError(f"block_k={block_k}: a power of two in [16, {dp}]")
+    bk = min(DECODE_BLOCK_K if small else BLOCK_K, dp)
     n_kv = max(triton.cdiv(rows, hb), 1)
-    n_q = 0 if query is None else qrot.num_blocks(query[0].shape[0], d, qrot.FUSED_BLOCK)
-    if key_splits is None:
-        key_splits = auto_key_splits(n_kv, n_q, key.device)
-    if key_splits not in (1, 2, 4):
-        raise ValueError(f"key_splits={key_splits}: 1, 2 or 4")
     m = spec.meta
     g = m["K0_G"]
+    key_splits = auto_key_splits(n_kv, key.device)
     ks = key_splits if (m["K0_BITS"] > 0 and not m["K_FP8"] and m["K_NOUT"] == 0
                         and not m["HAS_K1"] and bk == dp and g % key_splits == 0
                         and (g // key_splits) & (g // key_splits - 1) == 0) else 1
     ss_buf, cnt_buf = _split_scratch(key.device, rows if ks > 1 else 1, n_kv if ks > 1 else 1)
-    q_args = (key, 0, rot, key, 1.0) if query is None else query
-    _store_kernel[((ks + 1) * n_kv + n_q,)](
+    _store_kernel[((ks + 1) * n_kv,)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
-        rows, HK=hk, HB=hb, BK=bk, TF32X3=rotation_precision == "tf32x3", num_warps=num_warps,
-        **spec.meta, **dict(zip(("q_ptr", "NQ_ROWS", "qr_ptr", "qo_ptr", "q_scale"), q_args)),
-        HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents, ss_ptr=ss_buf,
-        cnt_ptr=cnt_buf, KS=ks)
+        rows, HK=hk, HB=hb, BK=bk, TF32X3=not interpreted(key.device),
+        num_warps=DECODE_WARPS if small else WARPS, **spec.meta, ss_ptr=ss_buf, cnt_ptr=cnt_buf,
+        KS=ks)
 
 
-def auto_key_splits(n_kv: int, n_q: int, device) -> int:
-    """Key splits for a launch of n_kv key and n_kv value row blocks plus n_q query blocks: the
-    most (4, else 2) whose programs (one 8-warp program per SM at decode sizes) still fit one
-    wave, else 1. H200, in-step store at 16K (bench/results/decode_tune_s11_had_h200_prelim.md):
-    B = 32 with the query blocks (112 programs at 2 splits) 5.5 → 4.3 µs with 2 splits, 4
-    splits (144 programs, a second wave) no better; B = 128 (448 programs) 12.8 → 13.4 µs."""
+def auto_key_splits(n_kv: int, device) -> int:
+    """Key splits for a launch of n_kv key and n_kv value row blocks: the most (4, else 2) whose
+    programs (one 8-warp program per SM at decode sizes) still fit one wave, else 1."""
     for ks in (4, 2):
-        if (ks + 1) * n_kv + n_q <= num_sms(device):
+        if (ks + 1) * n_kv <= num_sms(device):
             return ks
     return 1
 
@@ -553,19 +510,3 @@ def _split_scratch(device, rows: int, blocks: int) -> tuple[torch.Tensor, torch.
         bufs.append((torch.zeros(n, dtype=torch.float64, device=device),
                      torch.zeros(max(blocks, n // 16), dtype=torch.int32, device=device)))
     return bufs[-1]
-
-
-def store_kv_and_rotate_query(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
-                              kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                              q: torch.Tensor, r: torch.Tensor, scale: float,
-                              launch_dependents: bool = False,
-                              num_warps: int | None = None,
-                              key_splits: int | None = None) -> torch.Tensor:
-    """:func:`store_kv_triton` and :func:`tqattn.kernels.qrot.rotate_query` (q, r, scale) in
-    one launch: the decode step's prologue. Returns the rotated query."""
-    q2, out = qrot.check_and_alloc(q, r)
-    store_kv_triton(codec, key, value, kv_cache, slot_mapping,
-                    query=(q2, q2.shape[0], r, out, float(scale)), num_warps=num_warps,
-                    launch_dependents=launch_dependents, key_splits=key_splits,
-                    _allow_empty=True)
-    return out.view(q.shape)

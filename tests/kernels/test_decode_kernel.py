@@ -161,9 +161,9 @@ def test_mma_fused_query_rotation():
     want = ((q.float() @ r) * 0.7).to(torch.float16)
     assert got.dtype == torch.float16 and rel_err(got.float(), want.float()) < 1e-3
     assert (got != want).float().mean() < 0.01   # single fp16 roundings, not a wrong column
-    haar = types.SimpleNamespace(meta=spec.meta, key_fields=spec.key_fields,
+    haar = types.SimpleNamespace(layout=spec.layout, key_fields=spec.key_fields,
                                  value_fields=spec.value_fields,
                                  codec=types.SimpleNamespace(rotation=haar_rotation(128)))
-    assert not _spec._mma_layout(haar)
+    assert _spec.mma_layout(spec) and not _spec.mma_layout(haar)
     assert not _spec.kernel_spec(TQCodec("tq_k3o4v3.5", 128), 16).mma
     assert not _spec.kernel_spec(TQCodec("turboquant_k3v4_nc", 64), 16).mma

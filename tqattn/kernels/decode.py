@@ -299,103 +299,75 @@ def _store_field(po_ptr, po_rows, row_ok, inv, z, a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
-def _load_tile(cache_ptr, bt_row, tok0, lim, sc_b, kvh_off, BS: tl.constexpr,
-               BLOCK_N: tl.constexpr, K0_ASM: tl.constexpr, K1_ASM: tl.constexpr,
-               V_ASM: tl.constexpr,
-               K_FP8: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
-               K0_OFF: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr, K0_GP: tl.constexpr,
-               K0_CM: tl.constexpr,
-               K1_OFF: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr, K1_GP: tl.constexpr,
-               K1_CM: tl.constexpr,
-               V_TQ: tl.constexpr, VN_OFF: tl.constexpr, VS_OFF: tl.constexpr,
-               VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
-               V0_OFF: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr, V0_GP: tl.constexpr,
-               V0_CM: tl.constexpr,
-               V1_OFF: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr, V1_GP: tl.constexpr,
-               V1_CM: tl.constexpr):
+def _load_tile(cache_ptr, bt_row, tok0, lim, sc_b, kvh_off, BLOCK_N: tl.constexpr,
+               K0_ASM: tl.constexpr, K1_ASM: tl.constexpr, V_ASM: tl.constexpr, L: tl.constexpr,
+               K0: tl.constexpr, K1: tl.constexpr, V0: tl.constexpr, V1: tl.constexpr):
     """Every raw byte / fp16 field of the tokens tok < lim of a tile (issued together, consumed
     later). Column-major key planes are read by whole pages (a mask constant over each run of
     block_size tokens lets the loads vectorise): the bytes of tokens past the end are real page
     memory, their scores are masked and their values weighted by 0 (their norms read as 0)."""
     tok = tok0 + tl.arange(0, BLOCK_N)
     ok = tok < lim
-    okp = (tok // BS) * BS < lim
-    blk = tl.load(bt_row + tok // BS, mask=okp, other=0).to(tl.int64)
+    okp = (tok // L.bs) * L.bs < lim
+    blk = tl.load(bt_row + tok // L.bs, mask=okp, other=0).to(tl.int64)
     pbase = blk * sc_b + kvh_off
-    tip = tok % BS
+    tip = tok % L.bs
     if K0_ASM or K1_ASM:
         tok4 = tok0 + tl.arange(0, BLOCK_N // 4) * 4
-        okp4 = (tok4 // BS) * BS < lim
-        blk4 = tl.load(bt_row + tok4 // BS, mask=okp4, other=0).to(tl.int64)
+        okp4 = (tok4 // L.bs) * L.bs < lim
+        blk4 = tl.load(bt_row + tok4 // L.bs, mask=okp4, other=0).to(tl.int64)
         pbase4 = blk4 * sc_b + kvh_off
-        tip4 = tok4 % BS
+        tip4 = tok4 % L.bs
     if K0_ASM:
-        ka, kb, kc = _raw_words(cache_ptr, pbase4, tip4, okp4, BS, K0_OFF, K0_G, K0_GP)
+        ka, kb, kc = _raw_words(cache_ptr, pbase4, tip4, okp4, L.bs, K0.off, K0.g, K0.gp)
     else:
-        ka, kb, kc = _raw_field(cache_ptr, pbase, tip, okp if K0_CM else ok, BS, K0_OFF, K0_W,
-                                K0_G, K0_GP, K0_CM)
-    if HAS_K1:
+        ka, kb, kc = _raw_field(cache_ptr, pbase, tip, okp if K0.cm else ok, L.bs, K0.off, K0.w,
+                                K0.g, K0.gp, K0.cm)
+    if L.has_k1:
         if K1_ASM:
-            kd, ke, kf = _raw_words(cache_ptr, pbase4, tip4, okp4, BS, K1_OFF, K1_G, K1_GP)
+            kd, ke, kf = _raw_words(cache_ptr, pbase4, tip4, okp4, L.bs, K1.off, K1.g, K1.gp)
         else:
-            kd, ke, kf = _raw_field(cache_ptr, pbase, tip, okp if K1_CM else ok, BS, K1_OFF,
-                                    K1_W, K1_G, K1_GP, K1_CM)
+            kd, ke, kf = _raw_field(cache_ptr, pbase, tip, okp if K1.cm else ok, L.bs, K1.off,
+                                    K1.w, K1.g, K1.gp, K1.cm)
     else:
         kd, ke, kf = ka, kb, kc
     if V_ASM == 1:
-        va = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 0, BS)
+        va = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 0, L.bs)
         vb, vc = va, va
     elif V_ASM == 3:
-        va = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 0, BS)
-        vb = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 1, BS)
-        vc = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 2, BS)
+        va = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 0, L.bs)
+        vb = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 1, L.bs)
+        vc = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 2, L.bs)
     else:
-        va, vb, vc = _raw_field(cache_ptr, pbase, tip, ok, BS, V0_OFF, V0_W, V0_G, V0_GP, V0_CM)
-    if HAS_V1:
-        vd, ve, vf = _raw_field(cache_ptr, pbase, tip, ok, BS, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
+        va, vb, vc = _raw_field(cache_ptr, pbase, tip, ok, L.bs, V0.off, V0.w, V0.g, V0.gp, V0.cm)
+    if L.has_v1:
+        vd, ve, vf = _raw_field(cache_ptr, pbase, tip, ok, L.bs, V1.off, V1.w, V1.g, V1.gp, V1.cm)
     else:
         vd, ve, vf = va, vb, vc
-    if V_TQ:
-        n2 = _raw_fp16(cache_ptr, pbase, tip, ok, VN_OFF)
+    if L.v_tq:
+        n2 = _raw_fp16(cache_ptr, pbase, tip, ok, L.vn_off)
         n3 = n2
     else:
-        n2 = _raw_fp16(cache_ptr, pbase, tip, ok, VS_OFF)
-        n3 = _raw_fp16(cache_ptr, pbase, tip, ok, VZ_OFF)
-    if K_FP8:
+        n2 = _raw_fp16(cache_ptr, pbase, tip, ok, L.vs_off)
+        n3 = _raw_fp16(cache_ptr, pbase, tip, ok, L.vz_off)
+    if L.k_fp8:
         n1 = n2
     else:
-        n1 = _raw_fp16(cache_ptr, pbase, tip, ok, KN_OFF)
+        n1 = _raw_fp16(cache_ptr, pbase, tip, ok, L.kn_off)
     return ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3
 
 
 @triton.jit
-def _decode_split_kernel(
-        q_ptr, sq_r, sq_h, qo_ptr, sqo_r, sqo_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr,
-        qsl_ptr, qpos_ptr, lut_ptr, po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h,
-        scale, softcap, window, kfac, vfac,
-        HAS_QSL: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HK: tl.constexpr,
-        K0_ASM: tl.constexpr, K0_KASM: tl.constexpr, K1_ASM: tl.constexpr, K1_KASM: tl.constexpr,
-        V_ASM: tl.constexpr, V_VASM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS, FP8_NATIVE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, K_NOUT: tl.constexpr,
-        K_NOUTP: tl.constexpr, KOI_OFF: tl.constexpr, KOV_OFF: tl.constexpr,
-        HAS_K1: tl.constexpr,
-        K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
-        K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
-        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr, K0_CM: tl.constexpr,
-        K1_OFF: tl.constexpr, K1_BITS: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr,
-        K1_GP: tl.constexpr, K1_CPW: tl.constexpr, K1_START: tl.constexpr,
-        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr, K1_CM: tl.constexpr,
-        V_TQ: tl.constexpr, V_CORR: tl.constexpr, V_LEVELS: tl.constexpr, VN_OFF: tl.constexpr,
-        VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
-        V0_OFF: tl.constexpr, V0_BITS: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr,
-        V0_GP: tl.constexpr, V0_CPW: tl.constexpr, V0_START: tl.constexpr,
-        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr, V0_CM: tl.constexpr,
-        V1_OFF: tl.constexpr, V1_BITS: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr,
-        V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
-        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
-        PAD_OFF: tl.constexpr, PAD_N: tl.constexpr):
+def _decode_split_kernel(q_ptr, sq_r, sq_h, qo_ptr, sqo_r, sqo_h, cache_ptr, sc_b, sc_h,
+                         bt_ptr, sbt, seqlen_ptr, qsl_ptr, qpos_ptr, lut_ptr, po_ptr, spo_r, spo_h,
+                         spo_s, plse_ptr, spl_r, spl_h, scale, softcap, window, kfac, vfac,
+                         HAS_QSL: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HK: tl.constexpr,
+                         K0_ASM: tl.constexpr, K0_KASM: tl.constexpr, K1_ASM: tl.constexpr,
+                         K1_KASM: tl.constexpr, V_ASM: tl.constexpr, V_VASM: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS,
+                         FP8_NATIVE: tl.constexpr, L: tl.constexpr, K0: tl.constexpr,
+                         K1: tl.constexpr, V0: tl.constexpr, V1: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rb = tl.program_id(2)
@@ -441,23 +413,26 @@ def _decode_split_kernel(
 
         q_rows = ((r0 + ri) * sq_r + head * sq_h).to(tl.int64)
         qo_rows = ((r0 + ri) * sqo_r + head * sqo_h).to(tl.int64)
-        qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7 = _q_phases(q_ptr, q_rows, row_ok, K0_G, K0_GP,
-                                                           K0_CPW, K0_START)
-        if HAS_K1:
-            qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7 = _q_phases(q_ptr, q_rows, row_ok, K1_G,
-                                                               K1_GP, K1_CPW, K1_START)
+        qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7 = _q_phases(q_ptr, q_rows, row_ok, K0.g, K0.gp,
+                                                           K0.cpw, K0.start)
+        if L.has_k1:
+            qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7 = _q_phases(q_ptr, q_rows, row_ok, K1.g,
+                                                               K1.gp, K1.cpw, K1.start)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         zacc = tl.zeros([BLOCK_M], tl.float32)
         # one accumulator per code of a value word (a: field 0, b: field 1 of fractional widths)
+        # (shapes take constexprs: a dataclass attribute is a plain int)
+        V0_GP: tl.constexpr = V0.gp
+        V1_GP: tl.constexpr = V1.gp
         aa0 = tl.zeros([BLOCK_M, V0_GP], tl.float32)
         aa1, aa2, aa3, aa4, aa5, aa6, aa7 = aa0, aa0, aa0, aa0, aa0, aa0, aa0
         ab0 = tl.zeros([BLOCK_M, V1_GP], tl.float32)
         ab1, ab2, ab3, ab4, ab5, ab6, ab7 = ab0, ab0, ab0, ab0, ab0, ab0, ab0
-        gk0 = tl.arange(0, K0_GP)[None, :] < K0_G
-        gk1 = tl.arange(0, K1_GP)[None, :] < K1_G
-        gv0 = tl.arange(0, V0_GP)[None, :] < V0_G
-        gv1 = tl.arange(0, V1_GP)[None, :] < V1_G
+        gk0 = tl.arange(0, K0.gp)[None, :] < K0.g
+        gk1 = tl.arange(0, K1.gp)[None, :] < K1.g
+        gv0 = tl.arange(0, V0.gp)[None, :] < V0.g
+        gv1 = tl.arange(0, V1.gp)[None, :] < V1.g
         bt_row = bt_ptr + b.to(tl.int64) * sbt
         kvh_off = kvh.to(tl.int64) * sc_h
         qk_scale = scale * 1.4426950408889634
@@ -466,47 +441,41 @@ def _decode_split_kernel(
         # software pipeline: the bytes of tile t+1 are in flight while tile t is computed
         ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3 = _load_tile(
             cache_ptr, bt_row, start + t0 * BLOCK_N, tl.where(t0 < t1, range_hi, 0), sc_b,
-            kvh_off, BS, BLOCK_N, K0_ASM, K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1,
-            K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF,
-            VS_OFF, VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP,
-            V1_CM)
+            kvh_off, BLOCK_N, K0_ASM, K1_ASM, V_ASM, L, K0, K1, V0, V1)
         for t in range(t0, t1):
             tok = start + t * BLOCK_N + ar
             ok = tok < range_hi
             (ka_n, kb_n, kc_n, kd_n, ke_n, kf_n, va_n, vb_n, vc_n, vd_n, ve_n, vf_n, n1_n,
              n2_n, n3_n) = _load_tile(
-                cache_ptr, bt_row, start + (t + 1) * BLOCK_N,
-                tl.where(t + 1 < t1, range_hi, 0), sc_b, kvh_off, BS, BLOCK_N, K0_ASM, K1_ASM,
-                V_ASM, K_FP8, KN_OFF, HAS_K1, K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W,
-                K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF, VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G,
-                V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
+                cache_ptr, bt_row, start + (t + 1) * BLOCK_N, tl.where(t + 1 < t1, range_hi, 0),
+                sc_b, kvh_off, BLOCK_N, K0_ASM, K1_ASM, V_ASM, L, K0, K1, V0, V1)
 
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             if K0_ASM:
                 s = _key_field_lut3(ka, kb, kc, qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7, s,
                                     K0_KASM)
             else:
-                s = _key_field(_words(ka, kb, kc, K0_W), qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7,
-                               s, lut_ptr, ok[:, None] & gk0, K_FP8, FP8_NATIVE, K0_BITS,
-                               K0_CPW, K0_W, K0_LUT)
-            if HAS_K1:
+                s = _key_field(_words(ka, kb, kc, K0.w), qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7,
+                               s, lut_ptr, ok[:, None] & gk0, L.k_fp8, FP8_NATIVE, K0.bits,
+                               K0.cpw, K0.w, K0.lut)
+            if L.has_k1:
                 if K1_ASM:
                     s = _key_field_lut3(kd, ke, kf, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, s,
                                         K1_KASM)
                 else:
-                    s = _key_field(_words(kd, ke, kf, K1_W), qb0, qb1, qb2, qb3, qb4, qb5, qb6,
-                                   qb7, s, lut_ptr, ok[:, None] & gk1, K_FP8, FP8_NATIVE,
-                                   K1_BITS, K1_CPW, K1_W, K1_LUT)
-            if K_FP8:
+                    s = _key_field(_words(kd, ke, kf, K1.w), qb0, qb1, qb2, qb3, qb4, qb5, qb6,
+                                   qb7, s, lut_ptr, ok[:, None] & gk1, L.k_fp8, FP8_NATIVE,
+                                   K1.bits, K1.cpw, K1.w, K1.lut)
+            if L.k_fp8:
                 s = s * qk_scale
             else:
                 fk = n1.to(tl.float32)  # "nc" is folded into the stored norm
-                if K_CORR == 2:
+                if L.k_corr == 2:
                     fk = fk * kfac
-                if K_NOUT > 0:
+                if L.k_nout > 0:
                     s = (s * fk[None, :] + _outlier_scores(
-                        qo_ptr, qo_rows, row_ok, cache_ptr, bt_row, tok, ok, sc_b, kvh_off, BS,
-                        D, KOI_OFF, KOV_OFF, K_NOUT)) * qk_scale
+                        qo_ptr, qo_rows, row_ok, cache_ptr, bt_row, tok, ok, sc_b, kvh_off, L.bs,
+                        L.d, L.koi_off, L.kov_off, L.k_nout)) * qk_scale
                 else:
                     s = s * (fk * qk_scale)[None, :]
             if HAS_SOFTCAP:
@@ -531,37 +500,37 @@ def _decode_split_kernel(
                 va0, va1, va2, va3, va4, va5, va6, va7 = _value_tiles_lut3(va, vb, vc, V_VASM)
             else:
                 va0, va1, va2, va3, va4, va5, va6, va7 = _value_tiles(
-                    _words(va, vb, vc, V0_W), lut_ptr, ok[:, None] & gv0, V_TQ, V0_BITS, V0_CPW,
-                    V0_W, V0_LUT)
-            if HAS_V1:
+                    _words(va, vb, vc, V0.w), lut_ptr, ok[:, None] & gv0, L.v_tq, V0.bits, V0.cpw,
+                    V0.w, V0.lut)
+            if L.has_v1:
                 vb0, vb1, vb2, vb3, vb4, vb5, vb6, vb7 = _value_tiles(
-                    _words(vd, ve, vf, V1_W), lut_ptr, ok[:, None] & gv1, V_TQ, V1_BITS, V1_CPW,
-                    V1_W, V1_LUT)
+                    _words(vd, ve, vf, V1.w), lut_ptr, ok[:, None] & gv1, L.v_tq, V1.bits, V1.cpw,
+                    V1.w, V1.lut)
             fv = n2.to(tl.float32)  # "nc" is folded into the stored norm
-            if V_TQ and V_CORR == 2:
+            if L.v_tq and L.v_corr == 2:
                 fv = fv * vfac
             pv = (p * fv[None, :]).to(tl.float16)
-            if not V_TQ:
+            if not L.v_tq:
                 zacc = zacc * alpha + tl.sum(p * n3.to(tl.float32)[None, :], axis=1)
             aa0 = _pv(aa0, alpha, pv, va0)
-            if V0_CPW > 1:
+            if V0.cpw > 1:
                 aa1 = _pv(aa1, alpha, pv, va1)
-            if V0_CPW > 2:
+            if V0.cpw > 2:
                 aa2 = _pv(aa2, alpha, pv, va2)
                 aa3 = _pv(aa3, alpha, pv, va3)
-            if V0_CPW > 4:
+            if V0.cpw > 4:
                 aa4 = _pv(aa4, alpha, pv, va4)
                 aa5 = _pv(aa5, alpha, pv, va5)
                 aa6 = _pv(aa6, alpha, pv, va6)
                 aa7 = _pv(aa7, alpha, pv, va7)
-            if HAS_V1:
+            if L.has_v1:
                 ab0 = _pv(ab0, alpha, pv, vb0)
-                if V1_CPW > 1:
+                if V1.cpw > 1:
                     ab1 = _pv(ab1, alpha, pv, vb1)
-                if V1_CPW > 2:
+                if V1.cpw > 2:
                     ab2 = _pv(ab2, alpha, pv, vb2)
                     ab3 = _pv(ab3, alpha, pv, vb3)
-                if V1_CPW > 4:
+                if V1.cpw > 4:
                     ab4 = _pv(ab4, alpha, pv, vb4)
                     ab5 = _pv(ab5, alpha, pv, vb5)
                     ab6 = _pv(ab6, alpha, pv, vb6)
@@ -577,10 +546,10 @@ def _decode_split_kernel(
         po_rows = ((r0 + ri) * spo_r + head * spo_h + split * spo_s).to(tl.int64)
         z = zacc * inv  # uniform values: Σ p·zero (0 for rotated values)
         _store_field(po_ptr, po_rows, row_ok, inv, z, aa0, aa1, aa2, aa3, aa4, aa5, aa6, aa7,
-                     V0_G, V0_GP, V0_CPW, V0_START)
-        if HAS_V1:
+                     V0.g, V0.gp, V0.cpw, V0.start)
+        if L.has_v1:
             _store_field(po_ptr, po_rows, row_ok, inv, z, ab0, ab1, ab2, ab3, ab4, ab5, ab6, ab7,
-                         V1_G, V1_GP, V1_CPW, V1_START)
+                         V1.g, V1.gp, V1.cpw, V1.start)
         tl.store(plse_ptr + (r0 + ri) * spl_r + head * spl_h + split, lse, mask=row_ok)
 
 
@@ -620,7 +589,7 @@ def launch_config(spec, interp: bool) -> tuple[int, int, dict]:
     shared memory and is 3-4x slower."""
     asm = _asm_meta(spec, not interp)
     if asm["K0_ASM"]:
-        return (32 if spec.meta["K_NOUT"] else 64), 2, asm
+        return (32 if spec.layout.k_nout else 64), 2, asm
     if asm["V_ASM"]:
         return 32, 1, asm
     return _block_n(spec), 4, asm
@@ -646,11 +615,11 @@ def _build_asm_meta(spec, on: bool) -> dict:
     v = spec.value_fields
     one = on and len(v) == 1 and v[0].g % 4 == 0      # whole int32 words per token row
     meta["V_ASM"], meta["V_VASM"] = 0, ""
-    if one and not spec.meta["V_TQ"] and v[0].bits == 4 and v[0].w == 1:
+    if one and not spec.layout.v_tq and v[0].bits == 4 and v[0].w == 1:
         meta["V_ASM"] = 1                               # two 4-bit codes per byte
     elif one and v[0].bits == 3 and v[0].w == 3:
         meta["V_ASM"] = 3                               # centroids, or uniform codes 0..7
-        table = spec.table[v[0].lut:v[0].lut + 8] if spec.meta["V_TQ"] else range(8)
+        table = spec.table[v[0].lut:v[0].lut + 8] if spec.layout.v_tq else range(8)
         meta["V_VASM"] = _asm.lut3(table)
     return meta
 
@@ -659,7 +628,7 @@ def _block_n(spec) -> int:
     """Largest tile that keeps the tile registers from spilling (ptxas reports, sm_90, 4 warps):
     a rough count of the per-token columns the loop keeps live."""
     kf, vf = spec.key_fields, spec.value_fields
-    v_tq = spec.meta["V_TQ"]
+    v_tq = spec.layout.v_tq
     cost = (sum(f.dp for f in kf) + sum(f.dp for f in vf) * (2 if v_tq else 1)
             + 16 * sum(f.cpw for f in vf))
     return 128 if cost <= 300 else 64 if cost <= 420 else 32
@@ -739,7 +708,7 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     interp = interpreted(q.device)
     block_n, num_warps, asm = launch_config(spec, interp)
     lut, rot = spec.tables_on(q.device)
-    qk = q if spec.meta["K_FP8"] else (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
+    qk = q if spec.layout.k_fp8 else (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
     if num_splits is None:
         num_splits = max(1, min(64, triton.cdiv(TARGET_PROGRAMS * num_sms(q.device),
                                                 batch * hk * row_blocks)))
@@ -760,9 +729,9 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
         HAS_QSL=query_start_loc is not None, HAS_QPOS=query_pos_start is not None,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), GROUP=group, HK=hk,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, **asm,
-        FP8_NATIVE=not interp, num_warps=num_warps, num_stages=1, **spec.meta)
+        FP8_NATIVE=not interp, num_warps=num_warps, num_stages=1, **spec.constexprs)
 
-    v_rot = spec.meta["V_TQ"]
+    v_rot = spec.layout.v_tq
     if out is None:
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
     dst = torch.empty(rows, hq, d, dtype=torch.float32, device=q.device) if v_rot else out

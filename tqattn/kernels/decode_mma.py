@@ -726,7 +726,7 @@ MAXNREG = 255
 
 def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
           scale, new_kv=None):
-    m = spec.meta
+    m = spec.layout
     kf = spec.key_fields[0]
     groups = seq_lens.numel() * kv_cache.shape[1]
     tab, sgn, ksgn = _tables(spec, q.device)
@@ -750,8 +750,8 @@ def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
     else:
         args += (q, 0, 0, q, 0, 0, seq_lens, tab, tab)
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
-                KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
-                VZ_OFF=m["VZ_OFF"], WRITE_LSE=lse is not None, STORE=new_kv is not None,
+                KN_OFF=m.kn_off, V_OFF=spec.value_fields[0].off, VS_OFF=m.vs_off,
+                VZ_OFF=m.vz_off, WRITE_LSE=lse is not None, STORE=new_kv is not None,
                 K_LUT=kf.lut, K_BND=kf.bnd, ASSIGN=num_splits > 1,
                 n_older=min(groups * num_splits, OLDER_PER_SM * num_sms(q.device)),
                 w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1], num_warps=1, maxnreg=MAXNREG)

@@ -117,9 +117,9 @@ def _phase_tile(w, I: tl.constexpr, lut_ptr, cm, LUT_ON: tl.constexpr, FP8: tl.c
         v = tl.load(lut_ptr + LUT + code, mask=cm, other=0.0).to(tl.float16)
     else:
         # the code as fp16 without an int→float conversion (quarter-rate): the bits 0x6400 | code
-        # are the fp16 1024 + code, and subtracting 1024 in fp16 is exact. (Subtracting
-        # 1024·Σp from the fp32 accumulator instead lost the output to the tensor cores'
-        # truncating accumulation at long splits: cosine 0.79 at 16K tokens per split.)
+        # are the fp16 1024 + code, and subtracting 1024 in fp16 is exact (a 1024·Σp taken off
+        # the fp32 accumulator instead is lost to the tensor cores' truncating accumulation
+        # over long splits)
         v = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
     return v
 
@@ -586,7 +586,7 @@ def launch_config(spec, interp: bool) -> tuple[int, int, dict]:
     outliers, whose gathers spill at 64), asm values with byte-wise keys at 32 tokens / 1 warp,
     the byte-wise paths at 4 warps and the largest tile that does not spill (_block_n). The
     kernel runs with num_stages=1: triton's pipelining routes the centroid gathers through
-    shared memory and is 3-4x slower."""
+    shared memory and is several times slower."""
     asm = _asm_meta(spec, not interp)
     if asm["K0_ASM"]:
         return (32 if spec.layout.k_nout else 64), 2, asm

@@ -209,8 +209,8 @@ def operand_coord(k: torch.Tensor) -> torch.Tensor:
 
 def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float) -> torch.Tensor:
     """PyTorch twin of :func:`_fused_query` for q (rows, 128): the same permuted load and the
-    same butterflies, in the same order → fp16 (rows, 128), equal to
-    ``qrot.rotate_query_ref(q, R[:, σ], scale)`` up to fp32 rounding."""
+    same butterflies, in the same order → fp16 (rows, 128), equal to fp16((q·R[:, σ])·scale)
+    up to fp32 rounding."""
     sk = operand_coord(torch.arange(128, device=q.device))
     x = (q.float()[:, sk] * sgn.to(q.device)).T.contiguous()          # [128, rows] as [k, n]
     rows = x.shape[1]

@@ -199,7 +199,7 @@ def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, r_all, D: tl.constexpr,
             y = (tl.dot(xh, rh, y, input_precision="tf32")
                  + tl.where(live, tl.dot(xl, rh, input_precision="tf32"), 0.0)
                  + tl.where(live, tl.dot(xh, rl, input_precision="tf32"), 0.0))
-        else:  # IEEE fp32 on the FMA units (the whole store 1.5x slower at 16K tokens)
+        else:  # IEEE fp32 on the FMA units (the interpreter's path: it has no TF32)
             xk = tl.load(x_ptr + rows[:, None] + kk[None, :],
                          mask=ld_ok[:, None] & (kk < D)[None, :], other=0.0).to(tl.float32)
             uk = tl.math.div_rn(tl.where(bad[:, None], 0.0, xk), den[:, None])

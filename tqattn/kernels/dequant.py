@@ -55,6 +55,28 @@ def _unrotate_store(c0, c1, out_rows, ok, out_ptr, rot_ptr, oidx, oval, D: tl.co
 
 
 @triton.jit
+def _dequant_rotated(cache_ptr, lut_ptr, pbase, tip, ok, out_rows, out_ptr, rot_ptr, oidx, oval,
+                     fac, BD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                     N_OFF: tl.constexpr, CORR: tl.constexpr, HAS_1: tl.constexpr,
+                     NOUT: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr):
+    """Rotated keys or values (fields F0 and, with HAS_1, F1; norm plane N_OFF) → their rows of
+    out in the original basis."""
+    c0 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, F0.off, F0.bits, F0.w, F0.g, F0.gp,
+                    F0.cpw, F0.lut, F0.cm)
+    if HAS_1:
+        c1 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, F1.off, F1.bits, F1.w, F1.g,
+                        F1.gp, F1.cpw, F1.lut, F1.cm)
+    else:
+        c1 = c0
+    f = _tl.load_fp16(cache_ptr, pbase, tip, ok, N_OFF)  # "nc": folded into the norm
+    if CORR == 2:
+        f = f * fac
+    _unrotate_store(c0 * f[:, None], c1 * f[:, None], out_rows, ok, out_ptr, rot_ptr, oidx, oval,
+                    D, DP, BD, HAS_1, NOUT, F0.gp, F0.cpw, F0.start, F0.count, F1.gp, F1.cpw,
+                    F1.start, F1.count)
+
+
+@triton.jit
 def _dequant_kernel(cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr, cu_ptr, k_ptr, sk_n,
                     sk_h, v_ptr, sv_n, sv_h, lut_ptr, rot_ptr, kfac, vfac, HK: tl.constexpr,
                     BLOCK_N: tl.constexpr, BD: tl.constexpr, FP8_NATIVE: tl.constexpr,
@@ -92,34 +114,14 @@ def _dequant_kernel(cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr, cu_ptr, k_pt
             tl.store(k_ptr + k_rows[:, None] + d[None, :], kv.to(k_ptr.dtype.element_ty),
                      mask=ok[:, None] & (d < L.d)[None, :])
         else:
-            c0 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, L.bs, K0.off, K0.bits, K0.w,
-                            K0.g, K0.gp, K0.cpw, K0.lut, K0.cm)
-            if L.has_k1:
-                c1 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, L.bs, K1.off, K1.bits,
-                                K1.w, K1.g, K1.gp, K1.cpw, K1.lut, K1.cm)
-            f = _tl.load_fp16(cache_ptr, pbase, tip, ok, L.kn_off)  # "nc": folded into the norm
-            if L.k_corr == 2:
-                f = f * kfac
-            if not L.has_k1:
-                c1 = c0
-            _unrotate_store(c0 * f[:, None], c1 * f[:, None], k_rows, ok, k_ptr, rot_ptr, oidx,
-                            oval, L.d, L.dp, BD, L.has_k1, L.k_nout, K0.gp, K0.cpw, K0.start,
-                            K0.count, K1.gp, K1.cpw, K1.start, K1.count)
+            _dequant_rotated(cache_ptr, lut_ptr, pbase, tip, ok, k_rows, k_ptr, rot_ptr, oidx,
+                             oval, kfac, BD, L.bs, L.d, L.dp, L.kn_off, L.k_corr, L.has_k1,
+                             L.k_nout, K0, K1)
 
         if L.v_tq:
-            c0 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, L.bs, V0.off, V0.bits, V0.w,
-                            V0.g, V0.gp, V0.cpw, V0.lut, V0.cm)
-            if L.has_v1:
-                c1 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, L.bs, V1.off, V1.bits,
-                                V1.w, V1.g, V1.gp, V1.cpw, V1.lut, V1.cm)
-            f = _tl.load_fp16(cache_ptr, pbase, tip, ok, L.vn_off)  # "nc": folded into the norm
-            if L.v_corr == 2:
-                f = f * vfac
-            if not L.has_v1:
-                c1 = c0
-            _unrotate_store(c0 * f[:, None], c1 * f[:, None], v_rows, ok, v_ptr, rot_ptr, oidx,
-                            oval, L.d, L.dp, BD, L.has_v1, 0, V0.gp, V0.cpw, V0.start, V0.count,
-                            V1.gp, V1.cpw, V1.start, V1.count)
+            _dequant_rotated(cache_ptr, lut_ptr, pbase, tip, ok, v_rows, v_ptr, rot_ptr, oidx,
+                             oval, vfac, BD, L.bs, L.d, L.dp, L.vn_off, L.v_corr, L.has_v1, 0,
+                             V0, V1)
         else:
             codes = _tl.load_codes(cache_ptr, pbase, tip, ok, V0.off, L.bs, V0.bits, V0.w, V0.g,
                                    V0.gp, V0.cpw, V0.cm)

@@ -83,3 +83,33 @@ def test_fp8_inputs_and_decode():
     assert cos > 0.995
     bare = fake_fa3(inp.q, inp.k_cache, inp.v_cache, lens, bt, True).view(3, 8, 64)
     assert (bare.float() - want.float()).norm() > 10 * (got.float() - want.float()).norm()
+
+
+class _Timer:
+    """Stands in for bench.common.Timer: calls the function once, reports a fixed time."""
+    mode = "memset"
+
+    def __init__(self):
+        self.calls = 0
+
+    def graph_us(self, fn):
+        fn()
+        self.calls += 1
+        return {"us": 100.0 * self.calls, "reps": 1}
+
+
+def test_fa3_rows_of_bench_decode():
+    """bench/decode.py's FA3 rows with a stand-in FA3: bf16 and fp8 rows from the same inputs,
+    the fp8 row's bytes half the bf16 cache's, its time ratio to FA3 bf16 and its cosines."""
+    pytest.importorskip("triton")
+    from bench import decode
+    q, k, v, bt, lens = _paged()
+    ref = fa3.decode_bf16(fake_fa3, q, k, v, lens, bt)
+    base = {"batch": 3, "ctx": 48}
+    rows = decode.fa3_rows([_Timer()], fake_fa3, q, k, v, lens, bt, ref, base, 1000)
+    assert [r["method"] for r in rows] == ["fa3_bf16_paged", "fa3_fp8_paged"]
+    bf16, fp8 = rows
+    assert bf16["kv_bytes"] == 1000 and fp8["kv_bytes"] == 500 and fp8["bits_per_elem"] == 8.0
+    assert bf16["cos"] > 0.9999 and 0.995 < fp8["cos"] < 1.0
+    assert fp8["x_fa3"] == fp8["us"] / bf16["us"] and fp8["cos_vs_fa3_bf16"] > 0.995
+    assert decode.fa3_rows([_Timer()], None, q, k, v, lens, bt, ref, base, 1000) == []

@@ -1,13 +1,14 @@
-"""Decode attention on the compressed paged cache vs bf16 FlashAttention-3 paged decode.
+"""Decode attention on the compressed paged cache vs FlashAttention-3 paged decode, bf16 and fp8.
 
 Everything runs in one process on the same q and K/V (the anchor's synthetic data: q, K, V ~
 N(0,1) bf16, 4 fixed key channels ×8 per KV head, random block table), timed by
 ``bench.common.Timer`` (CUDA-graph replay, L2 flushed, median). Reports µs, KV bytes read,
 effective GB/s and % of the device-to-device copy rate measured in the same run, the time
-ratio vs FA3, the store kernel per decode step, and the output cosine vs bf16 SDPA.
+ratio vs FA3 bf16, the store kernel per decode step, and the output cosine vs bf16 SDPA. FA3 fp8
+(bench/fa3.py): the same K/V and q in e4m3 with per-tensor descales, as vLLM's FA3 fp8 path;
+q's quantization is done before the timing. Without FA3 its rows are skipped (a printed note).
 
     PYTHONPATH=. python3 bench/decode.py                 # full grid → bench/results/
-    PYTHONPATH=. python3 bench/decode.py --tune          # kernel config sweep at a few shapes
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -25,8 +25,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import fa3 as fa3_mod  # noqa: E402
 from bench.common import FLUSH_MODES, Timer, copy_bandwidth_gbs, environment  # noqa: E402
-from tqattn.kernels import decode as decode_mod  # noqa: E402
+from tqattn.kernels import step  # noqa: E402
 from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
 from tqattn.kernels.store import store_kv_triton  # noqa: E402
 from tqattn.quant.codec import TQCodec  # noqa: E402
@@ -101,30 +102,52 @@ def timed_all(timers, fn):
     return r
 
 
-def _store_times(timer, codec, q, cache, bt, seq_lens, out, cfg) -> dict:
+def _store_times(timer, codec, q, cache, bt, seq_lens, out) -> dict:
     """One decode step's store of B new tokens: alone (the store kernel) and inside the step
-    as the backend runs it (the new K/V handed to the decode, which stores them in its first
-    launch where it can), timed in turns with the decode alone: the store's share is a few µs
-    of 100+."""
+    as the backend runs it (the new K/V handed to the decode, which stores them in its own
+    launch on the tensor-core path), timed in turns with the decode alone: the store's share
+    is a few µs of 100+."""
     b, hk, d = seq_lens.numel(), cache.shape[1], q.shape[-1]
     kn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
     vn = torch.randn(b, hk, d, dtype=torch.bfloat16, device="cuda")
     slots = bt[:, -1].long() * BS + BS - 1
-    st = timer.graph_us(lambda: store_kv_triton(
-        codec, kn, vn, cache, slots, num_warps=cfg.get("mma_store_warps"),
-        key_splits=cfg.get("mma_store_key_splits", 1)))
-    step = timer.paired_us(
-        lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out, **cfg),
+    st = timer.graph_us(lambda: store_kv_triton(codec, kn, vn, cache, slots))
+    step_t = timer.paired_us(
+        lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out),
         lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out,
-                                        new_kv=(kn, vn, slots), **cfg))
-    return {"store_us": st["us"], "step_us": step["b_us"], "store_in_step_us": step["diff_us"]}
+                                        new_kv=(kn, vn, slots)))
+    return {"store_us": st["us"], "step_us": step_t["b_us"],
+            "store_in_step_us": step_t["diff_us"]}
 
 
-def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune=None,
-              store=None):
-    """store: time each config's store in the step (default: only without tune configs)."""
+def fa3_rows(timers, fa3, q, k, v, seq_lens, bt, ref, base, bf16_bytes) -> list[dict]:
+    """FA3 paged decode on the bf16 cache and on its fp8 (e4m3) copy; [] without FA3."""
+    if fa3 is None:
+        return []
+    b, hk = q.shape[0], k.shape[2]
+    out = fa3_mod.decode_bf16(fa3, q, k, v, seq_lens, bt)
+    cf = cosines(out, ref)
+    r = timed_all(timers, lambda: fa3_mod.decode_bf16(fa3, q, k, v, seq_lens, bt))
+    rows = [{**base, "method": "fa3_bf16_paged", "kv_bytes": bf16_bytes, **r, "cos": cf[0],
+             "cos_worst": cf[1]}]
+    inp = fa3_mod.fp8_inputs(q, k, v)
+    try:
+        out8 = fa3_mod.decode_fp8(fa3, inp, seq_lens, bt)
+    except (RuntimeError, TypeError) as e:   # an FA3 build without fp8
+        print(f"  FA3 fp8 failed, no fa3_fp8_paged row: {type(e).__name__}: {str(e)[:200]}",
+              flush=True)
+        return rows
+    c8 = cosines(out8, ref)
+    r8 = timed_all(timers, lambda: fa3_mod.decode_fp8(fa3, inp, seq_lens, bt))
+    rows.append({**base, "method": "fa3_fp8_paged", "bits_per_elem": 8.0,
+                 "kv_bytes": bf16_bytes // 2, **r8, "x_fa3": r8["us"] / r["us"], "cos": c8[0],
+                 "cos_worst": c8[1], "cos_vs_fa3_bf16": cosines(out8, out)[0]})
+    del inp
+    return rows
+
+
+def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=()):
     t_start = time.time()
-    store = not tune if store is None else store
     q, k, v, bt = make_data(b, l, hq, hk, d)
     seq_lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
     rows = []
@@ -139,18 +162,11 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune
     rows.append({**base, "method": "sdpa_bf16", "kv_bytes": bf16_bytes, **r})
     del kc, vc
     torch.cuda.empty_cache()
-    fa3_us = None
-    if fa3 is not None:
-        q1 = q.view(b, 1, hq, d)
-        fa_out = fa3(q1, k, v, cache_seqlens=seq_lens, page_table=bt, causal=True)
-        fa_out = fa_out[0] if isinstance(fa_out, tuple) else fa_out
-        cf = cosines(fa_out.view(b, hq, d), ref)
-        r = timed_all(timers, lambda: fa3(q1, k, v, cache_seqlens=seq_lens, page_table=bt,
-                                          causal=True))
-        fa3_us = r["us"]
-        rows.append({**base, "method": "fa3_bf16_paged", "kv_bytes": bf16_bytes, **r,
-                     "cos": cf[0], "cos_worst": cf[1]})
-        print(f"  B={b} L={l} D={d} fa3 {fa3_us:.1f}us sdpa {rows[0]['us']:.1f}us", flush=True)
+    rows += fa3_rows(timers, fa3, q, k, v, seq_lens, bt, ref, base, bf16_bytes)
+    torch.cuda.empty_cache()
+    fa3_us = next((x["us"] for x in rows if x["method"] == "fa3_bf16_paged"), None)
+    for x in rows[1:]:
+        print(f"  B={b} L={l} D={d} {x['method']} {x['us']:.1f}us cos={x['cos']:.4f}", flush=True)
 
     for name in list(presets) + list(cos_only):
         codec = TQCodec(name, d, device="cuda")
@@ -162,31 +178,19 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), tune
         row = {**base, "method": name, "slot_bytes": codec.slot_bytes,
                "bits_per_elem": codec.layout.bits_per_element,
                "kv_bytes": b * l * hk * codec.slot_bytes, "cos": cs[0], "cos_worst": cs[1],
-               "finite": finite}
+               "finite": finite, "kernel": step.plan_decode_store(codec, q, cache)}
         if name in presets:
-            configs = tune or [{}]
-            for cfg in configs:
-                fn = lambda: decode_attention_triton(codec, q, cache, bt, seq_lens, out=out, **cfg)  # noqa: E731
-                out.fill_(float("nan"))  # cos_cfg below must see this config's output
-                try:
-                    r = timed_all(timers, fn)
-                except Exception as e:  # noqa: BLE001 - keep sweeping
-                    print(f"  {name} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                # this config's own output (the row's cos is the default config's)
-                cc = cosines(out, ref)
-                rr = {**row, **r, "cfg": cfg, "cos_cfg": cc[0], "cos_cfg_worst": cc[1]}
-                if fa3_us:
-                    rr["x_fa3"] = r["us"] / fa3_us
-                rows.append(rr)
-                gbs = rr["kv_bytes"] / r["us"] / 1e3
-                print(f"  B={b} L={l} D={d} {name:<20} {cfg} {r['us']:.1f}us "
-                      f"x_fa3={rr.get('x_fa3', 0):.3f} {gbs:.0f}GB/s {100 * gbs / copy_gbs:.0f}% "
-                      f"cos={cs[0]:.4f} cos_cfg={cc[0]:.4f} ({cc[1]:.3f})", flush=True)
-                if store:
-                    rr.update(_store_times(timers[0], codec, q, cache, bt, seq_lens, out, cfg))
-        else:
-            rows.append(row)
+            r = timed_all(timers, lambda: decode_attention_triton(codec, q, cache, bt, seq_lens,
+                                                                  out=out))
+            row.update(r)
+            if fa3_us:
+                row["x_fa3"] = r["us"] / fa3_us
+            gbs = row["kv_bytes"] / r["us"] / 1e3
+            print(f"  B={b} L={l} D={d} {name:<20} {r['us']:.1f}us "
+                  f"x_fa3={row.get('x_fa3', 0):.3f} {gbs:.0f}GB/s {100 * gbs / copy_gbs:.0f}% "
+                  f"cos={cs[0]:.4f} ({cs[1]:.3f})", flush=True)
+            row.update(_store_times(timers[0], codec, q, cache, bt, seq_lens, out))
+        rows.append(row)
         del cache, out
         torch.cuda.empty_cache()
     for rr in rows:
@@ -243,28 +247,27 @@ def _store_cell(r):
 def render(result, tag, presets):
     env, copy = result["env"], result["copy"]
     rows = result["rows"]
-    methods = ["sdpa_bf16", "fa3_bf16_paged"] + presets
+    methods = ["sdpa_bf16", "fa3_bf16_paged", "fa3_fp8_paged"] + presets
     flushes = result.get("flush", ["memset"])
     md = [f"# {tag}", "", f"- device: {env['device']} ({env['sms']} SMs), torch {env['torch']}, "
           f"triton {env['triton']}, {env['date']}", f"- command: `{env['command']}`",
           f"- D2D copy: {copy['gbs_rw']:.0f} GB/s (read+write, {copy['bytes'] >> 30} GiB)",
-          f"- decode kernel config: {result.get('decode_defaults')}",
+          "- decode kernels: " + ", ".join(sorted({f"{r['method']}: {r['kernel']}" for r in rows
+                                                   if "kernel" in r and "us" in r})),
           f"- time: CUDA-graph replay, L2 flushed before each rep ({flushes[0]} flush: "
           f"{FLUSH_NOTE[flushes[0]]}), median; x FA3 = time / "
-          "fa3_bf16_paged time; % copy = effective KV read rate / copy rate; cos vs bf16 SDPA "
-          "(worst (seq, head) in brackets); store µs = one decode step's store (B tokens): alone "
-          "= the store kernel; in step = decode with the new K/V stored inside (new_kv: one "
-          "launch with the query rotation on the tensor-core path) minus the decode alone, "
-          "median of the differences of the two timed in turns", "",
+          "fa3_bf16_paged time; fa3_fp8_paged: q, K, V in e4m3 with per-tensor descales (q "
+          "quantized before the timing); % copy = effective KV read rate / copy rate; cos vs "
+          "bf16 SDPA (worst (seq, head) in brackets); store µs = one decode step's store (B "
+          "tokens): alone = the store kernel; in step = decode with the new K/V stored inside "
+          "(new_kv: in the decode kernel's own launch on the tensor-core path) minus the "
+          "decode alone, median of the differences of the two timed in turns", "",
           fmt_table(rows, methods, flushes[1:]), ""]
     cos_rows = [r for r in rows if "us" not in r and "cos" in r]
     if cos_rows:
         md += ["Cosine only:", ""] + [f"- {r['method']} ({r['bits_per_elem']:.3f} bits/elem) "
                                       f"B={r['batch']} L={r['ctx']}: {r['cos']:.4f} "
                                       f"({r['cos_worst']:.3f})" for r in cos_rows]
-    if result.get("autotune"):
-        md += ["", "Autotune (B=32, L=16K, turboquant_k3v4_nc):", ""]
-        md += [f"- {r['cfg']}: {r['us']:.1f} µs" for r in result["autotune"] if "cfg" in r]
     return "\n".join(md) + "\n"
 
 
@@ -275,17 +278,6 @@ def main():
     ap.add_argument("--presets", default=",".join(VLLM + OURS))
     ap.add_argument("--extra", action="store_true", default=True)
     ap.add_argument("--no-extra", dest="extra", action="store_false")
-    ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--configs", type=json.loads, default=None,
-                    help='--tune: JSON list of kernel configs, e.g. \'[{"maxnreg": 128}]\'')
-    ap.add_argument("--tune-shapes", default="8x16384,32x16384,128x4096,1x16384",
-                    help="--tune: comma-separated BATCHxCONTEXT shapes (32/8/128 heads)")
-    ap.add_argument("--tune-store", action="store_true",
-                    help="--tune: also time each config's store of a step's new K/V")
-    ap.add_argument("--autotune", action="store_true",
-                    help="time a few kernel configs at B=32, L=16K first and use the fastest")
-    ap.add_argument("--defaults", type=json.loads, default=None,
-                    help='JSON kernel config merged into the decode defaults for the whole run')
     ap.add_argument("--flush", default="memset",
                     help="L2 flush modes (bench.common.Timer), comma-separated; the first sets "
                          "µs / x FA3 / % copy, the others add a column each")
@@ -303,19 +295,13 @@ def main():
         print(md)
         return
     torch.backends.cuda.matmul.allow_tf32 = False
-    if args.defaults:
-        decode_mod.DEFAULTS.update(args.defaults)
     env = environment()
     print(json.dumps(env), flush=True)
     flushes = args.flush.split(",")
     timers = [Timer(flush=m) for m in flushes]
     copy = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy['gbs_rw']:.0f} GB/s (read+write)", flush=True)
-    try:
-        from flash_attn_interface import flash_attn_with_kvcache as fa3
-    except ImportError as e:
-        print(f"FA3 not available: {e}", flush=True)
-        fa3 = None
+    fa3 = fa3_mod.load()
     presets = args.presets.split(",")
     rows = []
     result = {"env": env, "copy": copy, "block_size": BS, "rows": rows, "flush": flushes}
@@ -323,44 +309,21 @@ def main():
     path = os.path.join(args.out, f"{args.tag}.json")
 
     def save():
-        result["decode_defaults"] = dict(decode_mod.DEFAULTS)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    if args.autotune:
-        configs = [dict(BLOCK_N=bn, num_warps=w, PREFETCH=pf) for bn, w, pf in
-                   [(128, 4, True), (64, 4, True), (32, 2, True), (128, 8, True), (64, 4, False)]]
-        trows = run_shape(timers, 32, 8, 128, 32, 16384, ["turboquant_k3v4_nc"], copy["gbs_rw"],
-                          fa3, tune=configs)
-        result["autotune"] = trows
-        timed = [r for r in trows if "cfg" in r]
-        if timed:
-            best = min(timed, key=lambda r: r["us"])
-            decode_mod.DEFAULTS.update(best["cfg"])
-            print(f"autotune: using {decode_mod.DEFAULTS}", flush=True)
+    # the longest context last, after the extra shapes: a time-out loses the least
+    ctxs = sorted(int(x) for x in args.contexts.split(","))
+    shapes = [(32, 8, 128, b, l) for l in ctxs[:-1] for b in map(int, args.batches.split(","))]
+    if args.extra:
+        shapes += [(hq, hk, d, 32, 16384) for hq, hk, d in [(64, 8, 128), (32, 8, 64),
+                                                            (32, 8, 256)]]
+    shapes += [(32, 8, 128, b, ctxs[-1]) for b in map(int, args.batches.split(","))]
+    for hq, hk, d, b, l in shapes:
+        rows += run_shape(timers, hq, hk, d, b, l, presets, copy["gbs_rw"], fa3,
+                          cos_only=[p for p in VLLM + OURS + COSINE_ONLY if p not in presets]
+                          if (hq, d, b, l) == (32, 128, 8, 16384) else ())
         save()
-    if args.tune:
-        configs = args.configs or [
-            dict(BLOCK_N=bn, num_warps=w, num_stages=s)
-            for bn, w, s in [(32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 8, 1), (64, 8, 2),
-                             (128, 8, 1), (128, 4, 1)]]
-        shapes = [tuple(map(int, x.split("x"))) for x in args.tune_shapes.split(",")]
-        for b, l in shapes:
-            rows += run_shape(timers, 32, 8, 128, b, l, presets, copy["gbs_rw"], fa3,
-                              tune=configs, store=args.tune_store)
-    else:
-        # the longest context last, after the extra shapes: a time-out loses the least
-        ctxs = sorted(int(x) for x in args.contexts.split(","))
-        shapes = [(32, 8, 128, b, l) for l in ctxs[:-1] for b in map(int, args.batches.split(","))]
-        if args.extra:
-            shapes += [(hq, hk, d, 32, 16384) for hq, hk, d in [(64, 8, 128), (32, 8, 64),
-                                                                (32, 8, 256)]]
-        shapes += [(32, 8, 128, b, ctxs[-1]) for b in map(int, args.batches.split(","))]
-        for hq, hk, d, b, l in shapes:
-            rows += run_shape(timers, hq, hk, d, b, l, presets, copy["gbs_rw"], fa3,
-                              cos_only=[p for p in VLLM + OURS + COSINE_ONLY if p not in presets]
-                              if (hq, d, b, l) == (32, 128, 8, 16384) else ())
-            save()
     save()
     md = render(result, args.tag, presets)
     with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:

@@ -1,11 +1,10 @@
 """Is a decode call bound by HBM or by its own instruction stream? Times the same call on the
 real cache (L2 flushed before each replay) and on a block table that folds every sequence onto a
 pool of blocks small enough to stay in L2 (warm replays): if the L2-resident call is not much
-faster, reading HBM is not what limits it. Each config (keyword arguments of
-``decode_attention_triton``, e.g. ``{"mma_prefetch": false}`` or ``{"num_splits": 8}``) is
-timed both ways.
+faster, reading HBM is not what limits it. Each split count of ``--splits`` (``auto``: the
+product's) is timed both ways.
 
-    PYTHONPATH=. python3 bench/decode_bound.py --shapes 32x16384,128x4096 [--configs JSON]
+    PYTHONPATH=. python3 bench/decode_bound.py --shapes 32x16384,128x4096 [--splits auto,8]
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="32x16384,128x4096")
     ap.add_argument("--preset", default="turboquant_k3v4_nc")
-    ap.add_argument("--configs", type=json.loads, default=[{}])
+    ap.add_argument("--splits", default="auto", help="comma-separated split counts or auto")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="decode_bound_h200")
     args = ap.parse_args()
@@ -46,7 +45,9 @@ def main() -> None:
         bt_pool = bt % pool
         out = torch.empty_like(q)
         kv_bytes = b * l * 8 * codec.slot_bytes
-        for cfg in args.configs:
+        for n in args.splits.split(","):
+            cfg = {"num_splits": None if n == "auto" else int(n)}
+
             def call(table, cfg=cfg):
                 return decode_attention_triton(codec, q, cache, table, lens, out=out, **cfg)
             hbm = flushed.graph_us(lambda: call(bt))["us"]

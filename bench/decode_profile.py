@@ -1,7 +1,8 @@
 """Per-kernel GPU time of one decode call (torch.profiler, CUDA activity), to see where the
-time of a small decode step goes (query rotation, split kernel, merge).
+time of a small decode step goes (store, split kernel, merge).
 
-    PYTHONPATH=. python3 bench/decode_profile.py --shape 8x16384 [--preset P] [--tune JSON] [--new-kv]
+    PYTHONPATH=. python3 bench/decode_profile.py --shape 8x16384 [--preset P] [--splits N] \\
+        [--new-kv]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8x16384")
     ap.add_argument("--preset", default="turboquant_k3v4_nc")
-    ap.add_argument("--tune", type=json.loads, default={})
+    ap.add_argument("--splits", type=int, default=None, help="split count (default: auto)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--new-kv", action="store_true",
                     help="the step's new K/V stored inside the decode call (new_kv)")
@@ -38,7 +39,7 @@ def main() -> None:
     cache = fill_cache(codec, k, v, 8)
     lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    tune = dict(args.tune)
+    tune = {"num_splits": args.splits}
     if args.new_kv:
         kn, vn = torch.randn(2, b, 8, 128, dtype=q.dtype, device="cuda")
         tune["new_kv"] = (kn, vn, bt[:, -1].long() * 16 + 15)
@@ -49,7 +50,7 @@ def main() -> None:
         for _ in range(args.reps):
             decode_attention_triton(codec, q, cache, bt, lens, out=out, **tune)
         torch.cuda.synchronize()
-    print(f"B={b} L={l} {args.preset} {args.tune}: per call, µs")
+    print(f"B={b} L={l} {args.preset} splits={args.splits or 'auto'}: per call, µs")
     total = 0.0
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
         if e.device_time_total <= 0:

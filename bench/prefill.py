@@ -154,7 +154,7 @@ def main():
     if args.store_rows:
         store.ROWS_PER_PROGRAM = args.store_rows
     if args.dequant:
-        dequant.DEFAULTS.update(block_n=args.dequant[0], num_warps=args.dequant[1])
+        dequant.BLOCK_N, dequant.NUM_WARPS = args.dequant
 
     versions = sorted(fa_utils.detect_fa_versions())
     timer = Timer()
@@ -192,7 +192,7 @@ def main():
                                  "fa3_vs_fa2_tq": fa2[0]["tq_us"] / r["tq_us"]})
     result = {"env": env, "preset": args.preset, "heads": [HQ, HK, D], "block_size": BS,
               "store_rows_per_program": store.ROWS_PER_PROGRAM,
-              "dequant_defaults": dict(dequant.DEFAULTS),
+              "dequant_defaults": {"block_n": dequant.BLOCK_N, "num_warps": dequant.NUM_WARPS},
               "rows": rows, "fa3_vs_fa2": speedups}
     if args.out:
         result["command"] = "python3 " + " ".join(sys.argv)

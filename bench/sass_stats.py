@@ -1,21 +1,23 @@
-"""Static SASS statistics of the decode kernel's main loop, compiled offline for sm_90 (no GPU).
+"""Static SASS statistics of the decode kernels' main loop, compiled offline for sm_90 (no GPU).
 
-The decode kernel is bound by instruction issue, not HBM (bench/results/decode_notes.md), so the
-loop's instruction count per token is a useful proxy between GPU sessions: compile with
-triton's bundled ptxas for sm_90, disassemble with nvdisasm, take the largest loop (a backward
-branch) and count its instructions by opcode. Warp instructions per token = loop instructions ×
-warps / BLOCK_N. At the H200's copy rate, turboquant_k3v4_nc (118 B/token/head) leaves about
-28 warp instructions per token (4 schedulers/SM, 132 SMs, ~1.9 GHz).
+The decode kernels are bound by instruction issue, not HBM (bench/results/decode_notes.md), so
+the loop's instruction count per token is a useful proxy between GPU sessions: compile with
+triton's bundled ptxas for sm_90 as the product launches the kernel (bench/kernel_builds.py:
+the entry point runs on CPU tensors with a pretend H200 and its launch is captured), disassemble
+with nvdisasm, take the largest loop (a backward branch) and count its instructions by opcode.
+Warp instructions per token = loop instructions × warps / BLOCK_N. At the H200's copy rate,
+turboquant_k3v4_nc (118 B/token/head) leaves about 28 warp instructions per token (4
+schedulers/SM, 132 SMs, ~1.9 GHz). ``--set K=V`` overrides constexprs of the captured launch
+(a build the product does not launch, for static comparison only).
 
     PYTHONPATH=. python3 bench/sass_stats.py --presets turboquant_k3v4_nc,tq_k4v3 [--set K=V ...]
-    PYTHONPATH=. python3 bench/sass_stats.py --mma [--prefetch]   # the Gluon tensor-core kernel
+    PYTHONPATH=. python3 bench/sass_stats.py --mma [--store] [--splits N]  # tensor-core kernel
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import json
 import os
 import re
@@ -23,93 +25,44 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tqattn.kernels import decode  # noqa: E402
-from tqattn.kernels._spec import kernel_spec  # noqa: E402
+from bench.kernel_builds import capturing, compile_captured, fake_h200  # noqa: E402
+from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
 from tqattn.quant.codec import TQCodec  # noqa: E402
-
-PTRS = {"q_ptr": "*fp32", "qo_ptr": "*bf16", "cache_ptr": "*u8", "bt_ptr": "*i32",
-        "seqlen_ptr": "*i32",
-        "qsl_ptr": "*i32", "qpos_ptr": "*i32", "lut_ptr": "*fp32", "po_ptr": "*fp32",
-        "plse_ptr": "*fp32"}
-FLOATS = {"scale", "softcap", "kfac", "vfac", "qscale"}
-ALIGNED_INTS = {"sq_r", "sq_h", "sqo_r", "sqo_h", "sc_b", "sc_h", "sbt", "spo_r", "spo_h", "spo_s",
-                "spl_r", "spl_h"}
-
-
-def _signature(params, cex: dict, ptrs: dict, aligned: set) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, attrs) for triton.compile: constexprs from cex, pointers from
-    ptrs, other arguments fp32 (FLOATS) or i32; pointers and the aligned ints get the 16-byte
-    divisibility the launcher sees at real shapes."""
-    sig, consts, attrs = {}, {}, {}
-    for i, p in enumerate(params):
-        if p in cex:
-            sig[p] = "constexpr"
-            consts[(i,)] = cex[p]
-        else:
-            sig[p] = ptrs.get(p, "fp32" if p in FLOATS else "i32")
-            if p in ptrs or p in aligned:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, consts, attrs
+from tqattn.quant.paged import kv_cache_shape  # noqa: E402
 
 
 def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 16,
-                   num_warps: int | None = None, maxnreg: int | None = None, **overrides):
-    """Compile _decode_split_kernel for sm_90 as the dispatch would launch it (one row/seq)."""
-    spec = kernel_spec(TQCodec(preset, d), block_size)
-    fn = decode._decode_split_kernel
-    params = list(inspect.signature(fn.fn).parameters)
-    tune = {k: overrides.pop(k) for k in list(overrides) if k in decode.DEFAULTS}
-    if num_warps is not None:
-        tune["num_warps"] = num_warps
-    cfg, asm = decode.launch_config(spec, tune, interp=False)
-    num_warps = cfg["num_warps"]
-    maxnreg = maxnreg or cfg["maxnreg"]
-    cex = {k: v for k, v in cfg.items() if k in params}
-    cex.update(HAS_QSL=False, HAS_QPOS=False, HAS_WINDOW=False, HAS_SOFTCAP=False, GROUP=group,
-               HK=8, BLOCK_M=16, FP8_NATIVE=True, **spec.meta, **asm)
-    cex.update(overrides)
-    sig, consts, attrs = _signature(params, cex, PTRS, ALIGNED_INTS)
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps, "num_stages": 1,
-                                     **({"maxnreg": maxnreg} if maxnreg else {})})
-    return kernel, {**cex, "num_warps": num_warps}
-
-
-def compile_mma(prefetch: bool, group: int = 4, block_size: int = 16,
-                reload_last: bool = False, qrot: bool = False, store: bool = False,
-                assign: bool = False):
-    """Compile kernels/decode_mma.py's kernel for sm_90 (turboquant_k3v4_nc, head size 128) as
-    the dispatch launches it (1 warp, the register cap of its prefetch mode)."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from tqattn.kernels import decode_mma
-
-    spec = kernel_spec(TQCodec("turboquant_k3v4_nc", 128), block_size)
-    m, kf = spec.meta, spec.key_fields[0]
-    fn = decode_mma._decode_mma_kernel
-    cex = dict(GROUP=group, HK=8, BS=block_size, K_OFF=kf.off, KN_OFF=m["KN_OFF"],
-               V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"], VZ_OFF=m["VZ_OFF"],
-               PREFETCH=prefetch, WRITE_LSE=False, PDL=not store, RELOAD_LAST=reload_last,
-               QROT=qrot or store, STORE=store, K_LUT=kf.lut, K_BND=kf.bnd, TIMELINE=False,
-               L2_AHEAD=decode_mma.L2_AHEAD, ASSIGN=assign)
-    ptrs = {"q_ptr": "*bf16" if qrot or store else "*fp16", "sgn_ptr": "*fp32",
-            "kn_ptr": "*bf16", "vn_ptr": "*bf16", "slot_ptr": "*i64", "ftab_ptr": "*fp32",
-            "ksgn_ptr": "*fp32", "cache_ptr": "*u8", "bt_ptr": "*i32", "seqlen_ptr": "*i32",
-            "po_ptr": "*fp32", "plse_ptr": "*fp32", "tab_ptr": "*i32", "out_ptr": "*bf16",
-            "lse_ptr": "*fp32", "count_ptr": "*i32", "tl_ptr": "*i64"}
-    sig, consts, attrs = _signature(list(inspect.signature(fn.fn).parameters), cex, ptrs,
-                                    {"sq_r", "sq_h", "sc_b", "sc_h", "sbt"})
-    kernel = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 1, "maxnreg": decode_mma.MAXNREG[prefetch],
-                                     "launch_pdl": True})
-    return kernel, {"num_warps": 1, "BLOCK_N": decode_mma.TILE.value}
+                   splits: int | None = None, store: bool = False, **overrides):
+    """The decode kernel the product launches for a plain decode of 32 sequences of 16K tokens
+    (8 KV heads; the tensor-core kernel where it serves the call), compiled for sm_90:
+    (compiled kernel, its launch keyword arguments)."""
+    codec = TQCodec(preset, d)
+    b, hk, l = 32, 8, 16384
+    cache = torch.zeros(kv_cache_shape(64, block_size, hk, codec), dtype=torch.uint8)
+    bt = torch.zeros(b, l // block_size, dtype=torch.int32)
+    lens = torch.full((b,), l, dtype=torch.int32)
+    q = torch.zeros(b, hk * group, d, dtype=torch.bfloat16)
+    new_kv = None
+    if store:
+        kn = torch.zeros(b, hk, d, dtype=torch.bfloat16)
+        new_kv = (kn, kn.clone(), torch.arange(b))
+    with fake_h200(), capturing() as got:
+        decode_attention_triton(codec, q, cache, bt, lens, out=torch.empty_like(q),
+                                num_splits=splits, new_kv=new_kv)
+    fn, args, kw = next(x for x in got if x[0].__name__ in ("_decode_split_kernel",
+                                                           "_decode_mma_kernel"))
+    unknown = set(overrides) - set(kw)
+    if unknown:
+        raise ValueError(f"--set {sorted(unknown)}: not launch arguments of {fn.__name__}")
+    kw.update(overrides)
+    kernel, _ = compile_captured(fn, args, kw)
+    kw.setdefault("BLOCK_N", 64)          # the tensor-core kernel's tile
+    return kernel, kw
 
 
 def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
@@ -180,56 +133,37 @@ def main():
     ap.add_argument("--presets", default="turboquant_k3v4_nc")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--warps", type=int, default=None, help="default: the dispatch's choice")
-    ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
-    ap.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BLOCK_N=64")
+    ap.add_argument("--set", nargs="*", default=[],
+                    help="constexpr / option overrides of the captured launch, e.g. BLOCK_N=64")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mma", action="store_true",
-                    help="the Gluon tensor-core kernel (turboquant_k3v4_nc) instead")
-    ap.add_argument("--prefetch", action="store_true", help="--mma: the prefetching variant")
-    ap.add_argument("--qrot", action="store_true",
-                    help="--mma: the variant that rotates the raw query itself")
-    ap.add_argument("--store", action="store_true",
-                    help="--mma: the variant that also stores the step's new token")
-    ap.add_argument("--reload-last", action="store_true",
-                    help="--mma: the variant of decode steps that store new K/V")
-    ap.add_argument("--assign", action="store_true",
-                    help="--mma: the variant of several splits per group (positions by arrival)")
+                    help="the tensor-core kernel (turboquant_k3v4_nc, head size 128)")
+    ap.add_argument("--store", action="store_true", help="with a decode step's new K/V")
+    ap.add_argument("--splits", type=int, default=None, help="split count (default: auto)")
     args = ap.parse_args()
-    if args.mma:
-        kernel, cex = compile_mma(args.prefetch, args.group, reload_last=args.reload_last,
-                                  qrot=args.qrot, store=args.store, assign=args.assign)
-        st = loop_stats(*disassemble(kernel.asm["cubin"]))
-        res = resources(kernel.asm["cubin"])
-        st.update(resources=res, programs_per_sm=occupancy(res, 1, kernel.metadata.shared),
-                  warp_instr_per_token=st["loop_instructions"] / cex["BLOCK_N"])
-        top = ", ".join(f"{k} {v}" for k, v in list(st["loop_opcodes"].items())[:args.top])
-        print(json.dumps(st, indent=1) if args.json else
-              f"decode_mma prefetch={args.prefetch}: loop={st['loop_instructions']} per 64 tokens "
-              f"-> {st['warp_instr_per_token']:.1f} warp instr/token, spill ops "
-              f"{st['spill_ops']}, {res['reg']} regs -> {st['programs_per_sm']} programs/SM\n"
-              f"    {top}")
-        return
     overrides = {k: (v == "True" if v in ("True", "False") else int(v))
                  for k, v in (s.split("=") for s in args.set)}
+    presets = ["turboquant_k3v4_nc"] if args.mma else args.presets.split(",")
+    d = 128 if args.mma else args.head_dim
     results = []
-    for preset in args.presets.split(","):
-        kernel, cex = compile_decode(preset, args.head_dim, args.group, num_warps=args.warps,
-                                     maxnreg=args.maxnreg, **overrides)
+    for preset in presets:
+        kernel, kw = compile_decode(preset, d, args.group, splits=args.splits, store=args.store,
+                                    **overrides)
         st = loop_stats(*disassemble(kernel.asm["cubin"]))
         res = resources(kernel.asm["cubin"])
-        st.update(resources=res, programs_per_sm=occupancy(res, cex["num_warps"],
-                                                             kernel.metadata.shared))
-        st.update(preset=preset, block_n=cex["BLOCK_N"], warps=cex["num_warps"],
-                  warp_instr_per_token=st["loop_instructions"] * cex["num_warps"] / cex["BLOCK_N"])
+        warps = kw["num_warps"]
+        st.update(resources=res, programs_per_sm=occupancy(res, warps, kernel.metadata.shared))
+        st.update(preset=preset, kernel=kernel.name, block_n=kw["BLOCK_N"], warps=warps,
+                  warp_instr_per_token=st["loop_instructions"] * warps / kw["BLOCK_N"])
         results.append(st)
         if not args.json:
             top = ", ".join(f"{k} {v}" for k, v in list(st["loop_opcodes"].items())[:args.top])
-            print(f"{preset:22s} BLOCK_N={cex['BLOCK_N']:3d} loop={st['loop_instructions']:5d} "
-                  f"-> {st['warp_instr_per_token']:.1f} warp instr/token, spill ops "
-                  f"{st['spill_ops']}, {res['reg']} regs, {kernel.metadata.shared} B shared "
-                  f"-> {st['programs_per_sm']} programs/SM\n    {top}")
+            print(f"{preset:22s} {kernel.name} BLOCK_N={kw['BLOCK_N']:3d} "
+                  f"loop={st['loop_instructions']:5d} -> {st['warp_instr_per_token']:.1f} warp "
+                  f"instr/token, spill ops {st['spill_ops']}, {res['reg']} regs, "
+                  f"{kernel.metadata.shared} B shared -> {st['programs_per_sm']} programs/SM\n"
+                  f"    {top}")
     if args.json:
         print(json.dumps(results, indent=1))
 

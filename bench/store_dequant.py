@@ -3,7 +3,8 @@
 store: one step of N new tokens (8 KV heads, head size 128) for several rows-per-program, and
 at decode sizes (--decode: N = 8..128) for several rotation chunks / warps;
 dequant: an 8K compressed prefix of B sequences → bf16 K/V for several (tokens per program,
-warps). Same timing as the other benchmarks (CUDA-graph replay, L2 flushed, median).
+warps). Same timing as the other benchmarks (CUDA-graph replay, L2 flushed, median). The sizes
+are the kernels' module constants, set for each timing (``sizes``).
 
     PYTHONPATH=. python3 bench/store_dequant.py --out bench/results/store_dequant_h200.json
 """
@@ -11,6 +12,7 @@ warps). Same timing as the other benchmarks (CUDA-graph replay, L2 flushed, medi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -20,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import Timer, environment  # noqa: E402
+from tqattn.kernels import dequant, store  # noqa: E402
 from tqattn.kernels.dequant import dequant_kv_triton  # noqa: E402
 from tqattn.kernels.store import store_kv_triton  # noqa: E402
 from tqattn.quant import paged  # noqa: E402
@@ -28,13 +31,29 @@ from tqattn.quant.codec import TQCodec  # noqa: E402
 HK, D, BS = 8, 128, 16
 
 
-def time_store(timer, codec, n, rows_per_program, **tune):
+@contextlib.contextmanager
+def sizes(module, **consts):
+    """The module's launch-size constants set to consts within the block."""
+    old = {k: getattr(module, k) for k in consts}
+    for k, v in consts.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+def time_store(timer, codec, n, rows_per_program, block_k=None, num_warps=None):
     nb = n // BS + 1
     cache = torch.zeros(paged.kv_cache_shape(nb, BS, HK, codec), dtype=torch.uint8, device="cuda")
     k, v = torch.randn(2, n, HK, D, device="cuda", dtype=torch.bfloat16)
     slots = torch.randperm(nb * BS, device="cuda")[:n]
-    return timer.graph_us(lambda: store_kv_triton(codec, k, v, cache, slots, rows_per_program,
-                                                  **tune))
+    consts = {"ROWS_PER_PROGRAM": rows_per_program}
+    if block_k:   # decode-size steps (the sweep's n ≤ 128 tokens)
+        consts.update(DECODE_BLOCK_K=block_k, DECODE_WARPS=num_warps)
+    with sizes(store, **consts):
+        return timer.graph_us(lambda: store_kv_triton(codec, k, v, cache, slots))
 
 
 def profiled_store_us(codec, n, reps=50):
@@ -62,8 +81,9 @@ def time_dequant(timer, codec, batch, ctx, block_n, warps):
     cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * ctx
     out = tuple(torch.empty(batch * ctx, HK, D, dtype=torch.bfloat16, device="cuda")
                 for _ in range(2))
-    return timer.graph_us(lambda: dequant_kv_triton(codec, cache, table, lens, cu, ctx,
-                                                    torch.bfloat16, out, block_n, warps))
+    with sizes(dequant, BLOCK_N=block_n, NUM_WARPS=warps):
+        return timer.graph_us(lambda: dequant_kv_triton(codec, cache, table, lens, cu, ctx,
+                                                        torch.bfloat16, out))
 
 
 def main():

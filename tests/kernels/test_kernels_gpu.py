@@ -52,7 +52,7 @@ def test_store_gpu(name, d):
     assert int((~fin).sum()) >= 2 and bool(keep.any())
 
 
-def _decode_case(name, d, hk, group, bs, lens, dtype=torch.bfloat16, tune=None, **kw):
+def _decode_case(name, d, hk, group, bs, lens, dtype=torch.bfloat16, **kw):
     from tqattn.kernels.decode import decode_attention_triton
     codec = _codec(name, d)
     # stale page tails: the kernel reads key planes by whole pages and must ignore them
@@ -71,7 +71,7 @@ def _decode_case(name, d, hk, group, bs, lens, dtype=torch.bfloat16, tune=None, 
     ref, lse_ref = paged.decode_attention_ref(codec, q, cache, bt, seq_lens, qsl, qpos,
                                               return_lse=True, **kw)
     out, lse = decode_attention_triton(codec, q, cache, bt, seq_lens, qsl, qpos,
-                                       return_lse=True, **kw, **(tune or {}))
+                                       return_lse=True, **kw)
     assert out.dtype == dtype
     assert rel_err(out, ref) < 1e-2
     fin = torch.isfinite(lse_ref)
@@ -84,63 +84,69 @@ def test_decode_presets_gpu(name):
     _decode_case(name, 128, 8, 4, 16, [1, 700, 4100, 2000])
 
 
+@pytest.fixture
+def portable(monkeypatch):
+    """The portable Triton kernel for every layout (no tensor-core kernel)."""
+    from tqattn.kernels import step
+    monkeypatch.setattr(step, "tensor_cores", lambda device: False)
+
+
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "turboquant_3bit_nc", "tq_k3v4"])
-def test_decode_without_asm_gpu(name):
-    """The generic Triton conversions (the interpreter's path) on the GPU too."""
-    _decode_case(name, 128, 8, 4, 16, [1, 700, 4100, 2000], tune={"ASM": False})
+def test_decode_without_asm_gpu(name, monkeypatch, portable):
+    """The generic Triton conversions (the interpreter's path) on the GPU too: the kernel
+    configured as under the interpreter, compiled."""
+    from tqattn.kernels import decode
+    config = decode.launch_config
+    monkeypatch.setattr(decode, "launch_config", lambda spec, interp: config(spec, True))
+    _decode_case(name, 128, 8, 4, 16, [1, 700, 4100, 2000])
 
 
-def test_decode_mma_path_gpu():
-    """k3v4_nc at head size 128 runs the Gluon tensor-core kernel (kernels/decode_mma.py) by
-    default; the Triton kernel's inline-asm path stays covered with MMA off."""
-    from tqattn.kernels import decode_mma
+def test_decode_mma_path_gpu(monkeypatch):
+    """k3v4_nc at head size 128 runs the Gluon tensor-core kernel (kernels/decode_mma.py):
+    page sizes, GQA 7 and 3, sequences of 0 tokens and of fewer tiles than splits, several split
+    counts (ranges by program age, positions by arrival); the last split of each group merges
+    and resets its counter. The portable kernel's inline-asm path for the same layout stays
+    covered with the tensor-core kernel off."""
+    from tqattn.kernels import decode_mma, step
     from tqattn.kernels._spec import kernel_spec
     q = torch.zeros(1, 8, 128, device=DEV)
     spec = kernel_spec(_codec("turboquant_k3v4_nc", 128), 16)
-    assert decode_mma.supported(spec, q, 8, True)
-    assert not decode_mma.supported(spec, q, 8, False)
-    assert not decode_mma.supported(kernel_spec(_codec("turboquant_k8v4", 128), 16), q, 8, True)
-    _decode_case("turboquant_k3v4_nc", 128, 8, 4, 16, [1, 700, 4100, 2000], tune={"MMA": False})
-    from tqattn.kernels.qrot import rotate_query, rotate_query_ref
-    qq = torch.randn(64, 32, 128, device=DEV, dtype=torch.bfloat16)
-    r = spec.codec.rotation.float()
-    assert rel_err(rotate_query(qq, r, 0.3).float(), rotate_query_ref(qq, r, 0.3).float()) < 1e-3
+    assert step.decode_kernel_store(spec, q, 1, True) == step.DECODE_KERNEL
+    assert step.decode_kernel_store(spec, q, 1, False) == step.STORE_KERNEL
+    assert step.decode_kernel_store(kernel_spec(_codec("turboquant_k8v4", 128), 16), q, 1,
+                                    True) == step.STORE_KERNEL
     for bs in (16, 32, 64):
         _decode_case("turboquant_k3v4_nc", 128, 2, 7, bs, [63, 64, 65, 129, 5000, 1])
-    _decode_case("turboquant_k3v4_nc", 128, 2, 3, 16, [63, 64, 65, 129, 5000, 1],
-                 tune={"mma_prefetch": False})
-    _decode_case("turboquant_k3v4_nc", 128, 2, 3, 16, [0, 300, 64], tune={"mma_prefetch": True})
-    _decode_case("turboquant_k3v4_nc", 128, 3, 4, 16, [5000, 17, 2500], tune={"mma_pdl": False})
-    # ranges by program age (several splits: positions by arrival), sequences with fewer
-    # tiles than splits
+    _decode_case("turboquant_k3v4_nc", 128, 2, 3, 16, [0, 300, 64])
     for splits in (1, 2, 3, 40):
         _decode_case("turboquant_k3v4_nc", 128, 3, 4, 16, [5000, 17, 2500, 0, 700],
-                     tune={"num_splits": splits})
-    # the last split of each group merges and resets its counter
+                     num_splits=splits)
     torch.cuda.synchronize()
     counters = [c for bufs in decode_mma._COUNTERS.values() for c in bufs]
     assert counters and all(int(c.abs().sum()) == 0 for c in counters)
+    monkeypatch.setattr(step, "tensor_cores", lambda device: False)
+    _decode_case("turboquant_k3v4_nc", 128, 8, 4, 16, [1, 700, 4100, 2000])
 
 
-@pytest.mark.parametrize("variant", [{"mma_qrot": True},
-                                     {"mma_qrot": True, "mma_prefetch": False}])
 @pytest.mark.parametrize("bs", [16, 64])
-def test_decode_mma_qrot_gpu(bs, variant):
-    """The query rotated inside the tensor-core kernel (mma_qrot): splits of one partial tile,
-    of full tiles only, of full tiles and the partial one, empty splits, sequences of 0 and 1
-    tokens; and against the rotation kernel's query."""
+def test_decode_mma_splits_gpu(bs, monkeypatch):
+    """The tensor-core kernel (its own query rotation): splits of one partial tile, of full
+    tiles only, of full tiles and the partial one, empty splits, sequences of 0 and 1 tokens;
+    and against the portable kernel (query rotated by a GEMM): only fp16 roundings of the
+    query differ."""
+    from tqattn.kernels import step
+    from tqattn.kernels.decode import decode_attention_triton
     lens = [63, 64, 65, 128, 129, 191, 5000, 1, 0]
     for splits in (None, 1, 3, 40):
-        _decode_case("turboquant_k3v4_nc", 128, 2, 7, bs, lens,
-                     tune={**variant, "num_splits": splits})
-    # against the rotation kernel's query: only fp16 roundings of the query differ
-    from tqattn.kernels.decode import decode_attention_triton
+        _decode_case("turboquant_k3v4_nc", 128, 2, 7, bs, lens, num_splits=splits)
     codec = _codec("turboquant_k3v4_nc", 128)
     cache, bt, seq_lens = filled_cache(codec, [3000, 17, 900], 4, bs, device=DEV)
     for dtype in (torch.bfloat16, torch.float16):
         q = torch.randn(3, 32, 128, device=DEV, dtype=dtype)
-        want = decode_attention_triton(codec, q, cache, bt, seq_lens)
-        got = decode_attention_triton(codec, q, cache, bt, seq_lens, **variant)
+        got = decode_attention_triton(codec, q, cache, bt, seq_lens)
+        with monkeypatch.context() as m:
+            m.setattr(step, "tensor_cores", lambda device: False)
+            want = decode_attention_triton(codec, q, cache, bt, seq_lens)
         assert rel_err(got, want) < 2e-3
 
 
@@ -163,16 +169,16 @@ def _replay_new_tokens(codec, step, q, k, v, a, slots, check):
         check(out)
 
 
-@pytest.mark.parametrize("mma,key_splits,qrot", [
-    (True, 1, False), (False, 1, False), (True, 2, False), (True, 4, False), (True, 1, True),
-    (True, 2, True)])
-def test_decode_with_new_kv_gpu(mma, key_splits, qrot):
-    """The step's new K/V handed to the decode and stored by a store launch (with the query
-    rotation's on the tensor-core path; test_decode_fused_store_gpu: by the decode kernel): the
-    same cache bytes and output as store, then decode — eager and replayed from a CUDA graph
-    with new tokens."""
+@pytest.mark.parametrize("key_splits", [1, 2, 4])
+def test_decode_with_new_kv_gpu(key_splits, monkeypatch, portable):
+    """The step's new K/V handed to the portable decode: stored by the store kernel first (with
+    1, 2 or 4 programs per key row block; test_decode_fused_store_gpu: by the tensor-core
+    kernel) — the same cache bytes and output as store, then decode, eager and replayed from a
+    CUDA graph with new tokens."""
+    from tqattn.kernels import store
     from tqattn.kernels.decode import decode_attention_triton
     from tqattn.kernels.store import store_kv_triton
+    monkeypatch.setattr(store, "auto_key_splits", lambda n_kv, device: key_splits)
     codec = _codec("turboquant_k3v4_nc", 128)
     lens = [900, 3000, 17, 64]   # the new token overwrites each sequence's last slot
     cache, bt, seq_lens = filled_cache(codec, lens, 8, 16, device=DEV)
@@ -182,28 +188,21 @@ def test_decode_with_new_kv_gpu(mma, key_splits, qrot):
     k, v = torch.randn(2, 4, 8, 128, device=DEV, dtype=torch.bfloat16)
     a, b = cache.clone(), cache.clone()
     store_kv_triton(codec, k, v, a, slots)
-    want = decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma, mma_qrot=qrot)
-    got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots), MMA=mma,
-                                  mma_store_key_splits=key_splits, mma_qrot=qrot,
-                                  mma_fused_store=False)
-    # the fused launch rotates the query in larger blocks than the standalone rotation kernel
-    # (another summation order): a few fp16 query elements round the other way
+    want = decode_attention_triton(codec, q, a, bt, seq_lens)
+    got = decode_attention_triton(codec, q, b, bt, seq_lens, new_kv=(k, v, slots))
     assert torch.equal(a, b) and rel_err(got, want) < 1e-4
 
     def check(out):
         assert torch.equal(a, b)
-        assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens, MMA=mma,
-                                                    mma_qrot=qrot)) < 1e-4
+        assert rel_err(out, decode_attention_triton(codec, q, a, bt, seq_lens)) < 1e-4
 
     _replay_new_tokens(codec, lambda out: decode_attention_triton(
-        codec, q, b, bt, seq_lens, new_kv=(k, v, slots), out=out, MMA=mma,
-        mma_store_key_splits=key_splits, mma_qrot=qrot, mma_fused_store=False),
-        q, k, v, a, slots, check)
+        codec, q, b, bt, seq_lens, new_kv=(k, v, slots), out=out), q, k, v, a, slots, check)
 
 
 @pytest.mark.parametrize("bs", [16, 64])
 def test_decode_fused_store_gpu(bs):
-    """mma_fused_store: the decode kernel stores each sequence's new token itself (its last
+    """The tensor-core decode kernel stores each sequence's new token itself (its last
     split, before reading) — the cache as the store kernel writes it up to codes on bucket
     boundaries, the same output, padding slots untouched, non-finite rows marked; eager and
     replayed from a CUDA graph."""
@@ -235,7 +234,7 @@ def test_decode_fused_store_gpu(bs):
 
     a, b = cache.clone(), cache.clone()
     store_kv_triton(codec, k, v, a, slots)
-    fused = dict(new_kv=(k, v, slots))   # the default
+    fused = dict(new_kv=(k, v, slots))
     got = decode_attention_triton(codec, q, b, bt, seq_lens, **fused)
     check(a, b)
     ok = torch.ones(len(lens), dtype=torch.bool)
@@ -252,7 +251,7 @@ def test_decode_fused_store_gpu(bs):
 
 
 @pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3"])
-def test_decode_long_split_gpu(name):
+def test_decode_long_split_gpu(name, monkeypatch):
     """One split over 32K tokens: the accumulator sums 32K products, where a cancelling
     offset in it (an earlier value trick) lost the output to the tensor cores' truncating
     fp32 accumulation."""
@@ -261,10 +260,13 @@ def test_decode_long_split_gpu(name):
     cache, bt, seq_lens = filled_cache(codec, [32768, 20000], 2, 16, device=DEV, key_scale=2.0)
     q = torch.randn(2, 8, 128, device=DEV, dtype=torch.bfloat16)
     ref = paged.decode_attention_ref(codec, q, cache, bt, seq_lens)
+    from tqattn.kernels import step
     for splits in (1, 7):
         for mma in (True, False):
-            out = decode_attention_triton(codec, q, cache, bt, seq_lens, num_splits=splits,
-                                          MMA=mma)
+            with monkeypatch.context() as m:
+                if not mma:
+                    m.setattr(step, "tensor_cores", lambda device: False)
+                out = decode_attention_triton(codec, q, cache, bt, seq_lens, num_splits=splits)
             assert rel_err(out, ref) < 1e-2, (splits, mma)
 
 

@@ -1,6 +1,8 @@
 """Store kernel vs store_ref under triton's interpreter (CPU, tiny shapes)."""
 
+import contextlib
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -17,12 +19,17 @@ PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turbo
            "tq_k3v4_debias", "tq_k3o4v3.5"]
 
 
-def _store_both(codec, k, v, slots, nb, bs, hk, **kw):
-    from tqattn.kernels.store import store_kv_triton
+def _store_both(codec, k, v, slots, nb, bs, hk, **sizes):
+    """The reference's and the kernel's bytes; sizes: store module constants / functions patched
+    for the call (launch sizes the tiny test shapes would not pick)."""
+    from tqattn.kernels import store
     init = torch.randint(0, 256, paged.kv_cache_shape(nb, bs, hk, codec), dtype=torch.uint8)
     a, b = init.clone(), init.clone()
     paged.store_ref(codec, k, v, a, slots)
-    store_kv_triton(codec, k, v, b, slots, **kw)
+    with contextlib.ExitStack() as stack:
+        for name, value in sizes.items():
+            stack.enter_context(mock.patch.object(store, name, value))
+        store.store_kv_triton(codec, k, v, b, slots)
     return a, b
 
 
@@ -47,31 +54,27 @@ def test_store_bytes_match_reference(name, d, bs):
 def test_store_rows_per_program(name, rows_per_program):
     """Programs whose (token, head) rows span several tokens: a row count that is not a multiple
     of the program's rows, padding slots inside and at the end."""
-    from tqattn.kernels.store import store_kv_triton
     codec = TQCodec(name, 64)
     hk, n, nb, bs = 3, 29, 4, 16
     k, v = torch.randn(n, hk, 64) * 2, torch.randn(n, hk, 64)
     slots = torch.randperm(nb * bs)[:n]
     slots[[5, 21, 28]] = -1
-    a, b = _store_both(codec, k, v, slots, nb, bs, hk)
+    a, b = _store_both(codec, k, v, slots, nb, bs, hk, ROWS_PER_PROGRAM=rows_per_program)
     assert torch.equal(a, b)
-    c = b.clone()
-    store_kv_triton(codec, k, v, c, slots, rows_per_program)
-    assert torch.equal(c, b)
 
 
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k3.5v3.5", "tq_k3o4v3.5"])
 @pytest.mark.parametrize("block_k", [16, 32])
 def test_store_rotation_chunks(name, block_k):
-    """The rotation in K chunks (the default for large steps; decode-size steps take it in
-    one): the same bytes."""
+    """The rotation in K chunks (the path of large steps; decode-size steps take it in one):
+    the same bytes."""
     codec = TQCodec(name, 64)
     hk, n, nb, bs = 2, 11, 2, 16
     k, v = torch.randn(n, hk, 64) * 3, torch.randn(n, hk, 64)
     k[2, 1, 7] = math.inf
     slots = torch.randperm(nb * bs)[:n]
     slots[3] = -1
-    a, b = _store_both(codec, k, v, slots, nb, bs, hk, block_k=block_k)
+    a, b = _store_both(codec, k, v, slots, nb, bs, hk, DECODE_BLOCK_K=block_k)
     assert torch.equal(a, b)
 
 
@@ -82,19 +85,27 @@ def test_store_key_splits(name, key_splits):
     """Key row blocks split over programs by rotated coordinates (presets where the split
     applies and, falling back to one program, where it does not): the same bytes, twice in a
     row (the parts' scratch is left at zero)."""
-    from tqattn.kernels.store import store_kv_triton
+    from tqattn.kernels import store
     codec = TQCodec(name, 64)
     hk, n, nb, bs = 3, 13, 3, 16
     k, v = torch.randn(n, hk, 64) * 3, torch.randn(n, hk, 64)
     k[2, 1, 7] = math.inf
     slots = torch.randperm(nb * bs)[:n]
     slots[[3, 12]] = -1
-    a, b = _store_both(codec, k, v, slots, nb, bs, hk, key_splits=key_splits)
+    splits = lambda n_kv, device: key_splits  # noqa: E731
+    a, b = _store_both(codec, k, v, slots, nb, bs, hk, auto_key_splits=splits)
     assert torch.equal(a, b)
     k2 = torch.randn(n, hk, 64)
     paged.store_ref(codec, k2, v, a, slots)
-    store_kv_triton(codec, k2, v, b, slots, key_splits=key_splits)
+    with mock.patch.object(store, "auto_key_splits", splits):
+        store.store_kv_triton(codec, k2, v, b, slots)
     assert torch.equal(a, b)
+
+
+def test_auto_key_splits():
+    """The most splits whose launch (keys and values) fits one wave of the 4 stand-in SMs."""
+    from tqattn.kernels.store import auto_key_splits
+    assert [auto_key_splits(n, "cpu") for n in (0, 1, 2, 3)] == [4, 2, 1, 1]
 
 
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "tq_k3.5v3.5", "tq_k3o4v3.5"])
@@ -107,17 +118,8 @@ def test_store_tf32x3_rotation(name):
     k, v = torch.randn(n, hk, 64) * 3, torch.randn(n, hk, 64)
     k[3, 1, 5] = math.nan
     slots = torch.randperm(nb * bs)[:n]
-    a, b = _store_both(codec, k, v, slots, nb, bs, hk, rotation_precision="tf32x3")
+    a, b = _store_both(codec, k, v, slots, nb, bs, hk, interpreted=lambda device: False)
     assert (a != b).float().mean().item() < 1e-3
-
-
-def test_store_rotation_precision_is_checked():
-    from tqattn.kernels.store import store_kv_triton
-    codec = TQCodec("tq_k4v3", 64)
-    cache = torch.zeros(paged.kv_cache_shape(1, 16, 1, codec), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="rotation_precision='tf32'"):
-        store_kv_triton(codec, torch.randn(1, 1, 64), torch.randn(1, 1, 64), cache,
-                        torch.zeros(1, dtype=torch.long), rotation_precision="tf32")
 
 
 def test_store_half_inputs():
@@ -139,30 +141,3 @@ def test_fp8_encoding_edge_values():
     k[0, 0, :special.numel()] = special
     a, b = _store_both(codec, k, torch.randn(1, 1, 64), torch.tensor([5]), 1, 16, 1)
     assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("n", [0, 5, 40])
-def test_store_kv_and_rotate_query(n):
-    """The decode step's prologue: the store's bytes and the query rotation's output are those
-    of the two separate kernels, whatever the two parts' program counts (n = 0: nothing to
-    store, the query is still rotated)."""
-    from tqattn.kernels.qrot import rotate_query_ref
-    from tqattn.kernels.store import store_kv_and_rotate_query
-    codec = TQCodec("turboquant_k3v4_nc", 64)
-    hk, nb, bs = 2, 6, 16
-    k, v = torch.randn(n, hk, 64) * 2, torch.randn(n, hk, 64)
-    slots = torch.randperm(nb * bs)[:n]
-    if n:
-        slots[n // 2] = -1
-    q = torch.randn(10, 8, 64, dtype=torch.bfloat16)   # 80 rows: a full and a partial block
-    r = torch.linalg.qr(torch.randn(64, 64))[0].contiguous()
-    init = torch.randint(0, 256, paged.kv_cache_shape(nb, bs, hk, codec), dtype=torch.uint8)
-    want, fused = init.clone(), init.clone()
-    paged.store_ref(codec, k, v, want, slots)
-    qk = store_kv_and_rotate_query(codec, k, v, fused, slots, q, r, 0.7)
-    assert torch.equal(fused, want)
-    assert qk.dtype == torch.float16 and qk.shape == q.shape
-    ref = rotate_query_ref(q, r, 0.7)
-    assert (qk.float() - ref.float()).abs().max() <= 1e-3 * ref.float().abs().max()
-    with pytest.raises(ValueError, match="contiguous"):
-        store_kv_and_rotate_query(codec, k, v, fused, slots, q, r.t(), 0.7)

@@ -29,10 +29,9 @@ of kernels with no per-request loop and no host sync:
     packed in front of the raw chunk, so FlashAttention sees [prefix ‖ chunk] (bottom-right
     causal). The decode kernel re-reads the prefix for every query row block, so its cost grows
     with the chunk; dequantizing once and letting FlashAttention do the rest wins for longer
-    chunks. Threshold 32 from bench/results/continuation_threshold_h200.json (H200, 8K prefix,
-    32/8 heads, D=128, FA2, CUDA-graph replay): decode rows win up to 32 tokens at batch 1, 8
-    and 32 (1.5–3.5× at 8–16 tokens), dequant + FA wins from 64 on at batch 8 and 32 (≈ even at
-    batch 1) and by 10× at 2K. (vLLM uses 128, with the chunk itself read back compressed.)
+    chunks. Threshold 32: on the H200 decode rows win up to 32 tokens, dequant + FA from 64 on
+    (bench/continuation_threshold.py; its result: bench/results/README.md). (vLLM uses 128,
+    with the chunk itself read back compressed.)
 
 Sliding window W: a query at position p sees keys at positions > p − W. The window goes to the
 decode kernel (its rows know their positions) and to FlashAttention (bottom-right aligned), and
@@ -219,7 +218,7 @@ class TurboQuantImpl(AttentionImpl):
         n = md.num_actual_tokens
         if md.num_prefills or md.token_perm is not None or md.num_decodes != n:
             return super().store_and_forward(query, key, value, kv_cache, metadata)
-        # a decode-only step: the store runs inside the decode's first launch (kernels/decode)
+        # a decode-only step: the decode call writes the new K/V (where: kernels/step.py)
         out = torch.empty_like(query)
         out[n:].zero_()
         o = self._decode(self.codec(query.device), query[:n], kv_cache, md.decode_block_table,

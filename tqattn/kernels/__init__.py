@@ -4,77 +4,52 @@
 in :mod:`tqattn.quant.paged`. On CUDA they run the Triton kernels (``tqattn.kernels.store`` /
 ``decode`` / ``dequant``, imported lazily so this package imports without triton). On CPU they
 run the reference, unless ``TQATTN_FORCE_TRITON=1`` (the kernels then run under triton's
-interpreter — which needs ``TRITON_INTERPRET=1`` set before they are first imported).
-Configurations without a Triton kernel (QJL presets, odd block sizes or field widths) fall back
-to the reference on CUDA too, logged once.
+interpreter — which needs ``TRITON_INTERPRET=1`` set before they are first imported; the CPU
+tests use it to run the backends through the kernels). Configurations without a Triton kernel
+(QJL presets, odd block sizes or field widths) fall back to the reference on CUDA too, logged
+once. Which kernels run a decode call, and where its new K/V are written: kernels/step.py.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
 from ..quant import paged
-
-log = logging.getLogger(__name__)
-_warned: set = set()
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    if t.is_cuda:
-        return True
-    return os.environ.get("TQATTN_FORCE_TRITON", "0") == "1"
-
-
-def _fallback(what: str, err: Exception) -> None:
-    if what not in _warned:
-        _warned.add(what)
-        log.warning("%s: no Triton kernel (%s); using the PyTorch reference", what, err)
-
-
-def _triton_module(name: str):
-    try:
-        import importlib
-        return importlib.import_module(f"{__name__}.{name}")
-    except ImportError as e:  # no triton
-        _fallback(f"tqattn.kernels.{name}", e)
-        return None
+from . import step
 
 
 def store_kv(codec, key, value, kv_cache, slot_mapping) -> None:
     """Quantize key/value (N, Hk, D) into the paged cache at slot_mapping (negative = skip)."""
-    if _use_triton(key):
-        mod = _triton_module("store")
+    if step.use_triton(key):
+        mod = step.triton_module("store")
         if mod is not None:
             try:
                 return mod.store_kv_triton(codec, key, value, kv_cache, slot_mapping)
             except NotImplementedError as e:
-                _fallback(f"store {codec.preset.name}", e)
+                step.fallback(f"store {codec.preset.name}", e)
     return paged.store_ref(codec, key, value, kv_cache, slot_mapping)
 
 
 def decode_attention(codec, q, kv_cache, block_table, seq_lens, query_start_loc=None,
                      query_pos_start=None, scale=None, window=None, softcap=0.0,
-                     return_lse=False, max_query_len=None, new_kv=None, **kwargs):
+                     return_lse=False, max_query_len=None, new_kv=None, num_splits=None,
+                     out=None):
     """Attention over the compressed paged cache; row semantics in :mod:`tqattn.quant.paged`.
 
-    ``new_kv`` = (key, value, slot_mapping): store these first (:func:`store_kv`), fused with
-    the decode's first launch where the kernels allow. Returns q.dtype output on the Triton
-    path, fp32 on the reference path.
+    ``new_kv`` = (key, value, slot_mapping): stored before the decode reads the cache, where
+    :func:`tqattn.kernels.step.plan_decode_store` says (inside the tensor-core decode kernel
+    where it runs). ``num_splits`` / ``out``: as :func:`tqattn.kernels.decode.
+    decode_attention_triton` (the reference path ignores them). Returns q.dtype output on the
+    Triton path, fp32 on the reference path.
     """
-    if _use_triton(q):
-        mod = _triton_module("decode")
-        if mod is not None:
-            try:
-                return mod.decode_attention_triton(
-                    codec, q, kv_cache, block_table, seq_lens, query_start_loc, query_pos_start,
-                    scale, window, softcap, return_lse, max_query_len=max_query_len,
-                    new_kv=new_kv, **kwargs)
-            except NotImplementedError as e:
-                _fallback(f"decode {codec.preset.name}", e)
-    if new_kv is not None:  # (again, if the Triton call stored before it gave up: idempotent)
+    where = step.plan_decode_store(codec, q, kv_cache, query_start_loc, query_pos_start, window,
+                                   softcap)
+    if where != step.REFERENCE:
+        return step.triton_module("decode").decode_attention_triton(
+            codec, q, kv_cache, block_table, seq_lens, query_start_loc, query_pos_start, scale,
+            window, softcap, return_lse, max_query_len=max_query_len, num_splits=num_splits,
+            out=out, new_kv=new_kv)
+    if new_kv is not None:
         store_kv(codec, new_kv[0], new_kv[1], kv_cache, new_kv[2])
     return paged.decode_attention_ref(codec, q, kv_cache, block_table, seq_lens, query_start_loc,
                                       query_pos_start, scale, window, softcap, return_lse)
@@ -83,14 +58,14 @@ def decode_attention(codec, q, kv_cache, block_table, seq_lens, query_start_loc=
 def dequant_kv(codec, kv_cache, block_table, seq_lens, cu_seqlens=None, max_seq_len=None,
                dtype=torch.bfloat16, out=None):
     """Compressed prefix → (K, V) (sum(seq_lens), Hk, D) of dtype, original basis."""
-    if _use_triton(kv_cache):
-        mod = _triton_module("dequant")
+    if step.use_triton(kv_cache):
+        mod = step.triton_module("dequant")
         if mod is not None:
             try:
                 return mod.dequant_kv_triton(codec, kv_cache, block_table, seq_lens, cu_seqlens,
                                              max_seq_len, dtype, out)
             except NotImplementedError as e:
-                _fallback(f"dequant {codec.preset.name}", e)
+                step.fallback(f"dequant {codec.preset.name}", e)
     k, v = paged.dequant_ref(codec, kv_cache, block_table, seq_lens, dtype)
     if out is not None:
         out[0].copy_(k)

@@ -6,6 +6,14 @@ code ``i`` of word ``g`` being coordinate ``start + g·CPW + i``. Kernels build 
 ``[tokens, GP·CPW]`` tile of codes (``GP`` = G padded to a power of two, at least 16 columns so
 that the tile can feed ``tl.dot``) and gather the query / scatter the output through the same
 coordinate order, so no shuffling back to natural order is needed inside the loop.
+
+The kernels take this description as five constexpr arguments (``KernelSpec.constexprs``): ``L``
+(:class:`PageLayout`, the page's scalar offsets and flags) and the fields ``K0``, ``K1``, ``V0``,
+``V1`` (:class:`CodeField`; fractional widths split keys / values over two fields, ``K1`` / ``V1``
+unused otherwise). Triton passes a frozen dataclass as a constexpr and reads its attributes at
+compile time; the kernels compile to the same code as with one constexpr per value. Its helpers
+take the values they use (a dataclass read from another one's attribute is not a constexpr
+argument under the compiler), so the aggregates stop at the kernels and their tile loaders.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import torch
 
 from ..quant.codec import TQCodec
 from ..quant.paged import column_major, field_words
+from ..quant.rotation import is_signed_hadamard
 
 
 def next_pow2(n: int) -> int:
@@ -41,11 +50,31 @@ class CodeField:
     def dp(self) -> int:
         return self.gp * self.cpw
 
-    def meta(self, prefix: str) -> dict:
-        return {f"{prefix}_OFF": self.off, f"{prefix}_BITS": self.bits, f"{prefix}_W": self.w,
-                f"{prefix}_G": self.g, f"{prefix}_GP": self.gp, f"{prefix}_CPW": self.cpw,
-                f"{prefix}_START": self.start, f"{prefix}_COUNT": self.count,
-                f"{prefix}_LUT": self.lut, f"{prefix}_BND": self.bnd, f"{prefix}_CM": self.cm}
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The page's scalars (offsets are of the plane inside a block's page, in bytes)."""
+    bs: int          # block size (tokens per page)
+    d: int           # head size
+    dp: int          # head size padded to a power of two
+    k_fp8: bool      # fp8 keys (one byte per coordinate, no norm)
+    k_corr: int      # CORR of the keys' correction
+    kn_off: int      # key norms (fp16)
+    k_nout: int      # outlier channels per key (0: none)
+    k_noutp: int     # k_nout padded to a power of two
+    koi_off: int     # outlier channel bytes
+    kov_off: int     # outlier e4m3 values
+    has_k1: bool     # keys in two fields
+    v_tq: bool       # rotated (TurboQuant) values, else uniform
+    v_corr: int
+    v_levels: int    # uniform values: 2^bits − 1
+    vn_off: int      # rotated values' norms
+    vs_off: int      # uniform values' scales / zero points (fp16)
+    vz_off: int
+    has_v1: bool
+    pad_off: int     # padding bytes of a slot (zeroed by the store)
+    pad_n: int
 
 
 _NO_FIELD = CodeField(0, 8, 1, 16, 16, 1, 0, 0, 0, 0, False)
@@ -92,48 +121,46 @@ class KernelSpec:
             return [code_field(n, s, c, b) for n, s, c, b in
                     zip(names, starts, codes.centroids, codes.boundaries)]
 
-        meta: dict = {"BS": block_size, "D": d}
+        m: dict = {"bs": block_size, "d": d, "dp": next_pow2(d)}
         if p.key.codec == "fp8":
             fp8_vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
             kf = [code_field("k_fp8", 0, fp8_vals.float())]
-            meta.update(K_FP8=True, K_CORR=0, KN_OFF=0)
+            m.update(k_fp8=True, k_corr=0, kn_off=0)
             self.kfac = 1.0
         else:
             kf = scalar_codes("k_idx", codec.keys)
-            meta.update(K_FP8=False, K_CORR=CORR[p.key.correction],
-                        KN_OFF=block_size * lay.field("k_norm").offset)
+            m.update(k_fp8=False, k_corr=CORR[p.key.correction],
+                     kn_off=block_size * lay.field("k_norm").offset)
             self.kfac = codec.keys.debias
         n_out = p.key.outliers
-        meta.update(K_NOUT=n_out, K_NOUTP=next_pow2(max(n_out, 1)),
-                    KOI_OFF=block_size * lay.field("k_out_idx").offset if n_out else 0,
-                    KOV_OFF=block_size * lay.field("k_out_val").offset if n_out else 0)
-        meta["HAS_K1"] = len(kf) == 2
-        meta.update(kf[0].meta("K0"))
-        meta.update((kf[1] if len(kf) == 2 else _NO_FIELD).meta("K1"))
+        m.update(k_nout=n_out, k_noutp=next_pow2(max(n_out, 1)),
+                 koi_off=block_size * lay.field("k_out_idx").offset if n_out else 0,
+                 kov_off=block_size * lay.field("k_out_val").offset if n_out else 0,
+                 has_k1=len(kf) == 2)
 
         if p.value.codec == "uniform":
             vf = [code_field("v_q", 0)]
-            meta.update(V_TQ=False, V_CORR=0, VN_OFF=0, V_LEVELS=2 ** int(p.value.bits) - 1,
-                        VS_OFF=block_size * lay.field("v_scale").offset,
-                        VZ_OFF=block_size * lay.field("v_zero").offset)
+            m.update(v_tq=False, v_corr=0, vn_off=0, v_levels=2 ** int(p.value.bits) - 1,
+                     vs_off=block_size * lay.field("v_scale").offset,
+                     vz_off=block_size * lay.field("v_zero").offset)
             self.vfac = 1.0
         else:
             vf = scalar_codes("v_idx", codec.values)
-            meta.update(V_TQ=True, V_CORR=CORR[p.value.correction], V_LEVELS=0,
-                        VN_OFF=block_size * lay.field("v_norm").offset, VS_OFF=0, VZ_OFF=0)
+            m.update(v_tq=True, v_corr=CORR[p.value.correction], v_levels=0,
+                     vn_off=block_size * lay.field("v_norm").offset, vs_off=0, vz_off=0)
             self.vfac = codec.values.debias
-        meta["HAS_V1"] = len(vf) == 2
-        meta.update(vf[0].meta("V0"))
-        meta.update((vf[1] if len(vf) == 2 else _NO_FIELD).meta("V1"))
-
         used = max(f.offset + f.nbytes for f in lay.fields.values())
-        meta.update(PAD_OFF=block_size * used, PAD_N=lay.slot_bytes - used)
-        meta["DP"] = next_pow2(d)
-        self.meta = meta
+        m.update(has_v1=len(vf) == 2, pad_off=block_size * used, pad_n=lay.slot_bytes - used)
+        self.layout = PageLayout(**m)
         self.key_fields, self.value_fields = kf, vf
+        # the kernels' constexpr arguments (module docstring)
+        self.constexprs = {"L": self.layout, "K0": kf[0], "V0": vf[0],
+                           "K1": kf[1] if len(kf) == 2 else _NO_FIELD,
+                           "V1": vf[1] if len(vf) == 2 else _NO_FIELD}
         self.table = torch.cat(tables) if tables else torch.zeros(1)
         self._dev: dict = {}
         self.asm_meta: dict = {}      # decode._asm_meta per "asm on" flag
+        self.mma = mma_layout(self)
 
     def tables_on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(lookup/boundary table fp32, rotation fp32) on device, cached."""
@@ -152,6 +179,25 @@ def kernel_spec(codec: TQCodec, block_size: int) -> KernelSpec:
     if spec is None:
         spec = _SPECS[key] = KernelSpec(codec, block_size)
     return spec
+
+
+def mma_layout(spec: KernelSpec) -> bool:
+    """Whether the tensor-core kernel (kernels/decode_mma.py) reads this layout and stores a
+    step's new token into it: 3-bit centroid keys (one column-major field of 16 words, folded
+    norm, no outliers), 4-bit uniform values of 64 bytes, head size 128, no padding bytes, and a
+    rotation diag(s)·H/√128 (every head size 128 rotation of quant/rotation.py)."""
+    m, kf, vf = spec.layout, spec.key_fields, spec.value_fields
+    return (m.d == 128 and len(kf) == 1 and kf[0].cm and kf[0].lut >= 0 and kf[0].g == 16
+            and kf[0].bits == 3 and not m.k_fp8 and m.k_nout == 0 and m.k_corr == 1
+            and not m.v_tq and len(vf) == 1 and vf[0].bits == 4 and vf[0].w == 1
+            and vf[0].g == 64 and m.v_levels == 15 and m.pad_n == 0
+            and is_signed_hadamard(spec.codec.rotation.float().cpu()))
+
+
+def interpreted(device) -> bool:
+    """Whether kernels on this device run under triton's interpreter (CPU tensors: the inline
+    asm, native fp8 conversions and TF32 dots exist only in compiled kernels)."""
+    return torch.device(device).type != "cuda"
 
 
 def num_sms(device) -> int:

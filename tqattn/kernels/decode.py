@@ -14,8 +14,8 @@ gathered at its channel (L1 hits) times its value.
 Inner loop: a packed word holds CPW codes (8 for 3-bit, 2 for 4-bit); code i of every word
 forms its own ``[BLOCK_N, G]`` tile and its own ``tl.dot`` with the matching query columns
 (``g·CPW + i``, gathered once before the loop), so codes are never interleaved back into
-coordinate order. The raw bytes of tile t+1 are loaded into registers while tile t is computed
-(``PREFETCH``). Splits write a normalised partial output and its LSE; a second small kernel
+coordinate order. The raw bytes of tile t+1 are loaded into registers while tile t is computed.
+Splits write a normalised partial output and its LSE; a second small kernel
 merges them. The grid depends only on the batch size (and ``max_query_len``); the tiles each
 split walks come from ``seq_lens`` on the device: CUDA-graph safe, no host sync.
 
@@ -23,11 +23,11 @@ Code → fp16 conversion: 3-bit codes (keys, tq or uniform values) and 4-bit uni
 through inline-asm register ``prmt`` tables (kernels/_asm.py) fed by int32 word loads; other
 widths through byte loads, shifts and centroid gathers (also the interpreter's path).
 
-Dispatch: 3-bit centroid keys + 4-bit uniform values at head size 128, one row per sequence,
-no window / soft-cap (``turboquant_k3v4_nc``) go to the Gluon tensor-core kernel
-(kernels/decode_mma.py: 0.31-0.50x FA3's time at >= 16K, bench/results/decode_h200_s5_2.md);
-everything else runs this kernel, which stays latency-bound (turboquant_k3v4_nc here ≈ 1.0x
-FA3, tq_k4v3 1.2-1.8x, ~20-50 % of the copy bandwidth; bench/results/decode_notes.md).
+Dispatch (kernels/step.py): the layouts of ``_spec.mma_layout`` (``turboquant_k3v4_nc``) at one
+row per sequence, no window / soft-cap go to the Gluon tensor-core kernel (kernels/decode_mma.py),
+which also stores a step's new K/V itself; everything else runs this kernel, after the store
+kernel for new K/V. This kernel is latency-bound, well below the copy bandwidth
+(bench/results/README.md).
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ import triton.language as tl
 
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
-from . import _asm, _tl, store
-from ._spec import default_scale, kernel_spec, next_pow2, num_sms
+from . import _asm, _tl, step, store
+from ._spec import default_scale, interpreted, kernel_spec, next_pow2, num_sms
 
 try:  # Gluon (triton.experimental) tensor-core path; optional
     from . import decode_mma
 except ImportError:  # pragma: no cover - older triton without Gluon
     decode_mma = None
+
 
 @triton.jit
 def _raw_field(cache_ptr, pbase, tip, ok, BS: tl.constexpr, OFF: tl.constexpr, W: tl.constexpr,
@@ -116,9 +117,9 @@ def _phase_tile(w, I: tl.constexpr, lut_ptr, cm, LUT_ON: tl.constexpr, FP8: tl.c
         v = tl.load(lut_ptr + LUT + code, mask=cm, other=0.0).to(tl.float16)
     else:
         # the code as fp16 without an int→float conversion (quarter-rate): the bits 0x6400 | code
-        # are the fp16 1024 + code, and subtracting 1024 in fp16 is exact. (Subtracting
-        # 1024·Σp from the fp32 accumulator instead lost the output to the tensor cores'
-        # truncating accumulation at long splits: cosine 0.79 at 16K tokens per split.)
+        # are the fp16 1024 + code, and subtracting 1024 in fp16 is exact (a 1024·Σp taken off
+        # the fp32 accumulator instead is lost to the tensor cores' truncating accumulation
+        # over long splits)
         v = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
     return v
 
@@ -298,104 +299,75 @@ def _store_field(po_ptr, po_rows, row_ok, inv, z, a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
-def _load_tile(cache_ptr, bt_row, tok0, lim, sc_b, kvh_off, BS: tl.constexpr,
-               BLOCK_N: tl.constexpr, K0_ASM: tl.constexpr, K1_ASM: tl.constexpr,
-               V_ASM: tl.constexpr,
-               K_FP8: tl.constexpr, KN_OFF: tl.constexpr, HAS_K1: tl.constexpr,
-               K0_OFF: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr, K0_GP: tl.constexpr,
-               K0_CM: tl.constexpr,
-               K1_OFF: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr, K1_GP: tl.constexpr,
-               K1_CM: tl.constexpr,
-               V_TQ: tl.constexpr, VN_OFF: tl.constexpr, VS_OFF: tl.constexpr,
-               VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
-               V0_OFF: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr, V0_GP: tl.constexpr,
-               V0_CM: tl.constexpr,
-               V1_OFF: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr, V1_GP: tl.constexpr,
-               V1_CM: tl.constexpr):
+def _load_tile(cache_ptr, bt_row, tok0, lim, sc_b, kvh_off, BLOCK_N: tl.constexpr,
+               K0_ASM: tl.constexpr, K1_ASM: tl.constexpr, V_ASM: tl.constexpr, L: tl.constexpr,
+               K0: tl.constexpr, K1: tl.constexpr, V0: tl.constexpr, V1: tl.constexpr):
     """Every raw byte / fp16 field of the tokens tok < lim of a tile (issued together, consumed
     later). Column-major key planes are read by whole pages (a mask constant over each run of
     block_size tokens lets the loads vectorise): the bytes of tokens past the end are real page
     memory, their scores are masked and their values weighted by 0 (their norms read as 0)."""
     tok = tok0 + tl.arange(0, BLOCK_N)
     ok = tok < lim
-    okp = (tok // BS) * BS < lim
-    blk = tl.load(bt_row + tok // BS, mask=okp, other=0).to(tl.int64)
+    okp = (tok // L.bs) * L.bs < lim
+    blk = tl.load(bt_row + tok // L.bs, mask=okp, other=0).to(tl.int64)
     pbase = blk * sc_b + kvh_off
-    tip = tok % BS
+    tip = tok % L.bs
     if K0_ASM or K1_ASM:
         tok4 = tok0 + tl.arange(0, BLOCK_N // 4) * 4
-        okp4 = (tok4 // BS) * BS < lim
-        blk4 = tl.load(bt_row + tok4 // BS, mask=okp4, other=0).to(tl.int64)
+        okp4 = (tok4 // L.bs) * L.bs < lim
+        blk4 = tl.load(bt_row + tok4 // L.bs, mask=okp4, other=0).to(tl.int64)
         pbase4 = blk4 * sc_b + kvh_off
-        tip4 = tok4 % BS
+        tip4 = tok4 % L.bs
     if K0_ASM:
-        ka, kb, kc = _raw_words(cache_ptr, pbase4, tip4, okp4, BS, K0_OFF, K0_G, K0_GP)
+        ka, kb, kc = _raw_words(cache_ptr, pbase4, tip4, okp4, L.bs, K0.off, K0.g, K0.gp)
     else:
-        ka, kb, kc = _raw_field(cache_ptr, pbase, tip, okp if K0_CM else ok, BS, K0_OFF, K0_W,
-                                K0_G, K0_GP, K0_CM)
-    if HAS_K1:
+        ka, kb, kc = _raw_field(cache_ptr, pbase, tip, okp if K0.cm else ok, L.bs, K0.off, K0.w,
+                                K0.g, K0.gp, K0.cm)
+    if L.has_k1:
         if K1_ASM:
-            kd, ke, kf = _raw_words(cache_ptr, pbase4, tip4, okp4, BS, K1_OFF, K1_G, K1_GP)
+            kd, ke, kf = _raw_words(cache_ptr, pbase4, tip4, okp4, L.bs, K1.off, K1.g, K1.gp)
         else:
-            kd, ke, kf = _raw_field(cache_ptr, pbase, tip, okp if K1_CM else ok, BS, K1_OFF,
-                                    K1_W, K1_G, K1_GP, K1_CM)
+            kd, ke, kf = _raw_field(cache_ptr, pbase, tip, okp if K1.cm else ok, L.bs, K1.off,
+                                    K1.w, K1.g, K1.gp, K1.cm)
     else:
         kd, ke, kf = ka, kb, kc
     if V_ASM == 1:
-        va = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 0, BS)
+        va = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 0, L.bs)
         vb, vc = va, va
     elif V_ASM == 3:
-        va = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 0, BS)
-        vb = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 1, BS)
-        vc = _raw_row_words(cache_ptr, pbase, tip, ok, V0_OFF, V0_G, V0_GP, 2, BS)
+        va = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 0, L.bs)
+        vb = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 1, L.bs)
+        vc = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 2, L.bs)
     else:
-        va, vb, vc = _raw_field(cache_ptr, pbase, tip, ok, BS, V0_OFF, V0_W, V0_G, V0_GP, V0_CM)
-    if HAS_V1:
-        vd, ve, vf = _raw_field(cache_ptr, pbase, tip, ok, BS, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
+        va, vb, vc = _raw_field(cache_ptr, pbase, tip, ok, L.bs, V0.off, V0.w, V0.g, V0.gp, V0.cm)
+    if L.has_v1:
+        vd, ve, vf = _raw_field(cache_ptr, pbase, tip, ok, L.bs, V1.off, V1.w, V1.g, V1.gp, V1.cm)
     else:
         vd, ve, vf = va, vb, vc
-    if V_TQ:
-        n2 = _raw_fp16(cache_ptr, pbase, tip, ok, VN_OFF)
+    if L.v_tq:
+        n2 = _raw_fp16(cache_ptr, pbase, tip, ok, L.vn_off)
         n3 = n2
     else:
-        n2 = _raw_fp16(cache_ptr, pbase, tip, ok, VS_OFF)
-        n3 = _raw_fp16(cache_ptr, pbase, tip, ok, VZ_OFF)
-    if K_FP8:
+        n2 = _raw_fp16(cache_ptr, pbase, tip, ok, L.vs_off)
+        n3 = _raw_fp16(cache_ptr, pbase, tip, ok, L.vz_off)
+    if L.k_fp8:
         n1 = n2
     else:
-        n1 = _raw_fp16(cache_ptr, pbase, tip, ok, KN_OFF)
+        n1 = _raw_fp16(cache_ptr, pbase, tip, ok, L.kn_off)
     return ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3
 
 
 @triton.jit
-def _decode_split_kernel(
-        q_ptr, sq_r, sq_h, qo_ptr, sqo_r, sqo_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr,
-        qsl_ptr, qpos_ptr, lut_ptr, po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h,
-        scale, softcap, window, kfac, vfac,
-        HAS_QSL: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HK: tl.constexpr,
-        K0_ASM: tl.constexpr, K0_KASM: tl.constexpr, K1_ASM: tl.constexpr, K1_KASM: tl.constexpr,
-        V_ASM: tl.constexpr, V_VASM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS, PREFETCH: tl.constexpr,
-        FP8_NATIVE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, K_NOUT: tl.constexpr,
-        K_NOUTP: tl.constexpr, KOI_OFF: tl.constexpr, KOV_OFF: tl.constexpr,
-        HAS_K1: tl.constexpr,
-        K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
-        K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
-        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr, K0_CM: tl.constexpr,
-        K1_OFF: tl.constexpr, K1_BITS: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr,
-        K1_GP: tl.constexpr, K1_CPW: tl.constexpr, K1_START: tl.constexpr,
-        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr, K1_CM: tl.constexpr,
-        V_TQ: tl.constexpr, V_CORR: tl.constexpr, V_LEVELS: tl.constexpr, VN_OFF: tl.constexpr,
-        VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
-        V0_OFF: tl.constexpr, V0_BITS: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr,
-        V0_GP: tl.constexpr, V0_CPW: tl.constexpr, V0_START: tl.constexpr,
-        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr, V0_CM: tl.constexpr,
-        V1_OFF: tl.constexpr, V1_BITS: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr,
-        V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
-        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
-        PAD_OFF: tl.constexpr, PAD_N: tl.constexpr):
+def _decode_split_kernel(q_ptr, sq_r, sq_h, qo_ptr, sqo_r, sqo_h, cache_ptr, sc_b, sc_h,
+                         bt_ptr, sbt, seqlen_ptr, qsl_ptr, qpos_ptr, lut_ptr, po_ptr, spo_r, spo_h,
+                         spo_s, plse_ptr, spl_r, spl_h, scale, softcap, window, kfac, vfac,
+                         HAS_QSL: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr, GROUP: tl.constexpr, HK: tl.constexpr,
+                         K0_ASM: tl.constexpr, K0_KASM: tl.constexpr, K1_ASM: tl.constexpr,
+                         K1_KASM: tl.constexpr, V_ASM: tl.constexpr, V_VASM: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS,
+                         FP8_NATIVE: tl.constexpr, L: tl.constexpr, K0: tl.constexpr,
+                         K1: tl.constexpr, V0: tl.constexpr, V1: tl.constexpr):
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rb = tl.program_id(2)
@@ -441,23 +413,26 @@ def _decode_split_kernel(
 
         q_rows = ((r0 + ri) * sq_r + head * sq_h).to(tl.int64)
         qo_rows = ((r0 + ri) * sqo_r + head * sqo_h).to(tl.int64)
-        qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7 = _q_phases(q_ptr, q_rows, row_ok, K0_G, K0_GP,
-                                                           K0_CPW, K0_START)
-        if HAS_K1:
-            qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7 = _q_phases(q_ptr, q_rows, row_ok, K1_G,
-                                                               K1_GP, K1_CPW, K1_START)
+        qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7 = _q_phases(q_ptr, q_rows, row_ok, K0.g, K0.gp,
+                                                           K0.cpw, K0.start)
+        if L.has_k1:
+            qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7 = _q_phases(q_ptr, q_rows, row_ok, K1.g,
+                                                               K1.gp, K1.cpw, K1.start)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         zacc = tl.zeros([BLOCK_M], tl.float32)
         # one accumulator per code of a value word (a: field 0, b: field 1 of fractional widths)
+        # (shapes take constexprs: a dataclass attribute is a plain int)
+        V0_GP: tl.constexpr = V0.gp
+        V1_GP: tl.constexpr = V1.gp
         aa0 = tl.zeros([BLOCK_M, V0_GP], tl.float32)
         aa1, aa2, aa3, aa4, aa5, aa6, aa7 = aa0, aa0, aa0, aa0, aa0, aa0, aa0
         ab0 = tl.zeros([BLOCK_M, V1_GP], tl.float32)
         ab1, ab2, ab3, ab4, ab5, ab6, ab7 = ab0, ab0, ab0, ab0, ab0, ab0, ab0
-        gk0 = tl.arange(0, K0_GP)[None, :] < K0_G
-        gk1 = tl.arange(0, K1_GP)[None, :] < K1_G
-        gv0 = tl.arange(0, V0_GP)[None, :] < V0_G
-        gv1 = tl.arange(0, V1_GP)[None, :] < V1_G
+        gk0 = tl.arange(0, K0.gp)[None, :] < K0.g
+        gk1 = tl.arange(0, K1.gp)[None, :] < K1.g
+        gv0 = tl.arange(0, V0.gp)[None, :] < V0.g
+        gv1 = tl.arange(0, V1.gp)[None, :] < V1.g
         bt_row = bt_ptr + b.to(tl.int64) * sbt
         kvh_off = kvh.to(tl.int64) * sc_h
         qk_scale = scale * 1.4426950408889634
@@ -466,54 +441,41 @@ def _decode_split_kernel(
         # software pipeline: the bytes of tile t+1 are in flight while tile t is computed
         ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3 = _load_tile(
             cache_ptr, bt_row, start + t0 * BLOCK_N, tl.where(t0 < t1, range_hi, 0), sc_b,
-            kvh_off, BS, BLOCK_N, K0_ASM, K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1,
-            K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF,
-            VS_OFF, VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP,
-            V1_CM)
+            kvh_off, BLOCK_N, K0_ASM, K1_ASM, V_ASM, L, K0, K1, V0, V1)
         for t in range(t0, t1):
             tok = start + t * BLOCK_N + ar
             ok = tok < range_hi
-            if PREFETCH:
-                (ka_n, kb_n, kc_n, kd_n, ke_n, kf_n, va_n, vb_n, vc_n, vd_n, ve_n, vf_n, n1_n,
-                 n2_n, n3_n) = _load_tile(
-                    cache_ptr, bt_row, start + (t + 1) * BLOCK_N,
-                    tl.where(t + 1 < t1, range_hi, 0), sc_b, kvh_off, BS, BLOCK_N, K0_ASM, K1_ASM,
-                    V_ASM, K_FP8, KN_OFF, HAS_K1, K0_OFF, K0_W, K0_G, K0_GP, K0_CM, K1_OFF, K1_W,
-                    K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF, VZ_OFF, HAS_V1, V0_OFF, V0_W, V0_G,
-                    V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
-            elif t > t0:
-                ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3 = _load_tile(
-                    cache_ptr, bt_row, start + t * BLOCK_N, range_hi, sc_b, kvh_off, BS, BLOCK_N,
-                    K0_ASM, K1_ASM, V_ASM, K_FP8, KN_OFF, HAS_K1, K0_OFF, K0_W, K0_G, K0_GP, K0_CM,
-                    K1_OFF, K1_W, K1_G, K1_GP, K1_CM, V_TQ, VN_OFF, VS_OFF, VZ_OFF, HAS_V1, V0_OFF,
-                    V0_W, V0_G, V0_GP, V0_CM, V1_OFF, V1_W, V1_G, V1_GP, V1_CM)
+            (ka_n, kb_n, kc_n, kd_n, ke_n, kf_n, va_n, vb_n, vc_n, vd_n, ve_n, vf_n, n1_n,
+             n2_n, n3_n) = _load_tile(
+                cache_ptr, bt_row, start + (t + 1) * BLOCK_N, tl.where(t + 1 < t1, range_hi, 0),
+                sc_b, kvh_off, BLOCK_N, K0_ASM, K1_ASM, V_ASM, L, K0, K1, V0, V1)
 
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             if K0_ASM:
                 s = _key_field_lut3(ka, kb, kc, qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7, s,
                                     K0_KASM)
             else:
-                s = _key_field(_words(ka, kb, kc, K0_W), qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7,
-                               s, lut_ptr, ok[:, None] & gk0, K_FP8, FP8_NATIVE, K0_BITS,
-                               K0_CPW, K0_W, K0_LUT)
-            if HAS_K1:
+                s = _key_field(_words(ka, kb, kc, K0.w), qa0, qa1, qa2, qa3, qa4, qa5, qa6, qa7,
+                               s, lut_ptr, ok[:, None] & gk0, L.k_fp8, FP8_NATIVE, K0.bits,
+                               K0.cpw, K0.w, K0.lut)
+            if L.has_k1:
                 if K1_ASM:
                     s = _key_field_lut3(kd, ke, kf, qb0, qb1, qb2, qb3, qb4, qb5, qb6, qb7, s,
                                         K1_KASM)
                 else:
-                    s = _key_field(_words(kd, ke, kf, K1_W), qb0, qb1, qb2, qb3, qb4, qb5, qb6,
-                                   qb7, s, lut_ptr, ok[:, None] & gk1, K_FP8, FP8_NATIVE,
-                                   K1_BITS, K1_CPW, K1_W, K1_LUT)
-            if K_FP8:
+                    s = _key_field(_words(kd, ke, kf, K1.w), qb0, qb1, qb2, qb3, qb4, qb5, qb6,
+                                   qb7, s, lut_ptr, ok[:, None] & gk1, L.k_fp8, FP8_NATIVE,
+                                   K1.bits, K1.cpw, K1.w, K1.lut)
+            if L.k_fp8:
                 s = s * qk_scale
             else:
                 fk = n1.to(tl.float32)  # "nc" is folded into the stored norm
-                if K_CORR == 2:
+                if L.k_corr == 2:
                     fk = fk * kfac
-                if K_NOUT > 0:
+                if L.k_nout > 0:
                     s = (s * fk[None, :] + _outlier_scores(
-                        qo_ptr, qo_rows, row_ok, cache_ptr, bt_row, tok, ok, sc_b, kvh_off, BS,
-                        D, KOI_OFF, KOV_OFF, K_NOUT)) * qk_scale
+                        qo_ptr, qo_rows, row_ok, cache_ptr, bt_row, tok, ok, sc_b, kvh_off, L.bs,
+                        L.d, L.koi_off, L.kov_off, L.k_nout)) * qk_scale
                 else:
                     s = s * (fk * qk_scale)[None, :]
             if HAS_SOFTCAP:
@@ -538,45 +500,44 @@ def _decode_split_kernel(
                 va0, va1, va2, va3, va4, va5, va6, va7 = _value_tiles_lut3(va, vb, vc, V_VASM)
             else:
                 va0, va1, va2, va3, va4, va5, va6, va7 = _value_tiles(
-                    _words(va, vb, vc, V0_W), lut_ptr, ok[:, None] & gv0, V_TQ, V0_BITS, V0_CPW,
-                    V0_W, V0_LUT)
-            if HAS_V1:
+                    _words(va, vb, vc, V0.w), lut_ptr, ok[:, None] & gv0, L.v_tq, V0.bits, V0.cpw,
+                    V0.w, V0.lut)
+            if L.has_v1:
                 vb0, vb1, vb2, vb3, vb4, vb5, vb6, vb7 = _value_tiles(
-                    _words(vd, ve, vf, V1_W), lut_ptr, ok[:, None] & gv1, V_TQ, V1_BITS, V1_CPW,
-                    V1_W, V1_LUT)
+                    _words(vd, ve, vf, V1.w), lut_ptr, ok[:, None] & gv1, L.v_tq, V1.bits, V1.cpw,
+                    V1.w, V1.lut)
             fv = n2.to(tl.float32)  # "nc" is folded into the stored norm
-            if V_TQ and V_CORR == 2:
+            if L.v_tq and L.v_corr == 2:
                 fv = fv * vfac
             pv = (p * fv[None, :]).to(tl.float16)
-            if not V_TQ:
+            if not L.v_tq:
                 zacc = zacc * alpha + tl.sum(p * n3.to(tl.float32)[None, :], axis=1)
             aa0 = _pv(aa0, alpha, pv, va0)
-            if V0_CPW > 1:
+            if V0.cpw > 1:
                 aa1 = _pv(aa1, alpha, pv, va1)
-            if V0_CPW > 2:
+            if V0.cpw > 2:
                 aa2 = _pv(aa2, alpha, pv, va2)
                 aa3 = _pv(aa3, alpha, pv, va3)
-            if V0_CPW > 4:
+            if V0.cpw > 4:
                 aa4 = _pv(aa4, alpha, pv, va4)
                 aa5 = _pv(aa5, alpha, pv, va5)
                 aa6 = _pv(aa6, alpha, pv, va6)
                 aa7 = _pv(aa7, alpha, pv, va7)
-            if HAS_V1:
+            if L.has_v1:
                 ab0 = _pv(ab0, alpha, pv, vb0)
-                if V1_CPW > 1:
+                if V1.cpw > 1:
                     ab1 = _pv(ab1, alpha, pv, vb1)
-                if V1_CPW > 2:
+                if V1.cpw > 2:
                     ab2 = _pv(ab2, alpha, pv, vb2)
                     ab3 = _pv(ab3, alpha, pv, vb3)
-                if V1_CPW > 4:
+                if V1.cpw > 4:
                     ab4 = _pv(ab4, alpha, pv, vb4)
                     ab5 = _pv(ab5, alpha, pv, vb5)
                     ab6 = _pv(ab6, alpha, pv, vb6)
                     ab7 = _pv(ab7, alpha, pv, vb7)
-            if PREFETCH:
-                ka, kb, kc, kd, ke, kf = ka_n, kb_n, kc_n, kd_n, ke_n, kf_n
-                va, vb, vc, vd, ve, vf = va_n, vb_n, vc_n, vd_n, ve_n, vf_n
-                n1, n2, n3 = n1_n, n2_n, n3_n
+            ka, kb, kc, kd, ke, kf = ka_n, kb_n, kc_n, kd_n, ke_n, kf_n
+            va, vb, vc, vd, ve, vf = va_n, vb_n, vc_n, vd_n, ve_n, vf_n
+            n1, n2, n3 = n1_n, n2_n, n3_n
 
         has = l_i > 0.0
         inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -585,10 +546,10 @@ def _decode_split_kernel(
         po_rows = ((r0 + ri) * spo_r + head * spo_h + split * spo_s).to(tl.int64)
         z = zacc * inv  # uniform values: Σ p·zero (0 for rotated values)
         _store_field(po_ptr, po_rows, row_ok, inv, z, aa0, aa1, aa2, aa3, aa4, aa5, aa6, aa7,
-                     V0_G, V0_GP, V0_CPW, V0_START)
-        if HAS_V1:
+                     V0.g, V0.gp, V0.cpw, V0.start)
+        if L.has_v1:
             _store_field(po_ptr, po_rows, row_ok, inv, z, ab0, ab1, ab2, ab3, ab4, ab5, ab6, ab7,
-                         V1_G, V1_GP, V1_CPW, V1_START)
+                         V1.g, V1.gp, V1.cpw, V1.start)
         tl.store(plse_ptr + (r0 + ri) * spl_r + head * spl_h + split, lse, mask=row_ok)
 
 
@@ -615,56 +576,23 @@ def _merge_kernel(po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, out_ptr, 
                  tl.where(tot > 0.0, mx_use + tl.log(tl.where(tot > 0.0, tot, 1.0)), float("-inf")))
 
 
-# BLOCK_N / num_warps None: picked per path by launch_config. Measured on the H200
-# (bench/results/decode_tune_s4_h200.md): 3-bit keys through inline asm are fastest at 64
-# tokens / 2 warps (~235 registers: 4 programs per SM), asm values with byte-wise keys at
-# 32 tokens / 1 warp, the byte-wise paths at 4 warps and the largest tile that does not spill
-# (_block_n). Triton's own pipelining (num_stages > 1) routes the centroid gathers through
-# shared memory and is 3-4x slower. MMA: the tensor-core kernel where it applies
-# (decode_mma.supported); mma_programs_per_sm / mma_pdl None: chosen per call (_decode_mma).
-# mma_prefetch: the words of the next tile in flight (8 programs per SM instead of 12) won at
-# every shape measured, B = 1-128, 4K-64K (bench/results/decode_tune_s7_prefetch_h200_prelim.md,
-# decode_tune_s7_2_prefetch_h200_prelim.md: B = 1 at 64K 56.8 vs 71.6 µs, B = 8 at 16K 60.4 vs
-# 64.9). mma_store_warps: the warps of the store + query-rotation launch of a decode step
-# (None: the store's decode-size default). qrot_block: rows per program of the query rotation
-# (None: kernels/qrot.py's choice by row count). mma_maxnreg: the register cap of the
-# tensor-core kernel (None: decode_mma.MAXNREG for its prefetch mode). mma_store_key_splits:
-# programs per key row block in that launch (kernels/store.py key_splits; None: 2 while the
-# launch fits one wave). mma_qrot: the decode kernel rotates the query itself (a Walsh–Hadamard
-# transform in each program, decode_mma._fused_query) instead of a rotation launch; None: for
-# calls without new K/V (B = 32 at 16K 174.1 → 171.8 µs, 128x4K 176.6 → 170.4, 8x64K 178.7 →
-# 173.8: bench/results/decode_tune_s11_had_h200_prelim.md), while a step with new K/V keeps the
-# store + rotation launch (its step measured 2-3 µs shorter than the store alone followed by
-# the rotating decode: decode_tune_s11_pipe_h200_prelim.md). mma_fused_store: a step's new
-# K/V stored by the decode kernel itself (decode_mma._store_new_token; it also rotates the
-# query), one launch per step: the step's store cost at 16K 6.7 → 2.0 µs at B = 32, 15.4 → 3.2
-# at B = 128 (bench/results/decode_tune_s11_fstore2_h200_prelim.md). Where it does not apply
-# (layouts other than decode_mma.fused_store_supported, several rows per sequence) the store
-# runs in the rotation's launch as before.
-DEFAULTS = {"BLOCK_N": None, "num_warps": None, "num_stages": 1, "target_programs": 8,
-            "PREFETCH": True, "maxnreg": None, "ASM": True, "MMA": True,
-            "mma_programs_per_sm": None, "mma_prefetch": True, "mma_pdl": None,
-            "mma_store_warps": None, "qrot_block": None, "mma_maxnreg": None,
-            "mma_store_key_splits": None, "mma_qrot": None, "mma_fused_store": True}
+# Programs per SM the split count aims at (several waves of short programs hide the tail).
+TARGET_PROGRAMS = 8
 
 
-def launch_config(spec, tune: dict, interp: bool) -> tuple[dict, dict]:
-    """(config, asm constexprs) of a call: DEFAULTS, the per-preset choices, then ``tune``."""
-    cfg = {**DEFAULTS, **tune}
-    asm = _asm_meta(spec, cfg["ASM"] and not interp)
-    # per path, from the H200 sweep over every preset (bench/results/decode_tune_s4_h200.md)
+def launch_config(spec, interp: bool) -> tuple[int, int, dict]:
+    """(BLOCK_N, num_warps, asm constexprs) of the portable kernel for a layout, per path: 3-bit
+    keys through inline asm at 64 tokens / 2 warps (~235 registers: 4 programs per SM; 32 with
+    outliers, whose gathers spill at 64), asm values with byte-wise keys at 32 tokens / 1 warp,
+    the byte-wise paths at 4 warps and the largest tile that does not spill (_block_n). The
+    kernel runs with num_stages=1: triton's pipelining routes the centroid gathers through
+    shared memory and is several times slower."""
+    asm = _asm_meta(spec, not interp)
     if asm["K0_ASM"]:
-        # outlier gathers at 64 tokens: ~5K spill instructions in the loop (sass_stats)
-        warps, block_n = 2, 32 if spec.meta["K_NOUT"] else 64
-    elif asm["V_ASM"]:
-        warps, block_n = 1, 32
-    else:
-        warps, block_n = 4, _block_n(spec)
-    if cfg["num_warps"] is None:
-        cfg["num_warps"] = warps
-    if cfg["BLOCK_N"] is None:
-        cfg["BLOCK_N"] = block_n
-    return cfg, asm
+        return (32 if spec.layout.k_nout else 64), 2, asm
+    if asm["V_ASM"]:
+        return 32, 1, asm
+    return _block_n(spec), 4, asm
 
 
 def _asm_meta(spec, on: bool) -> dict:
@@ -687,11 +615,11 @@ def _build_asm_meta(spec, on: bool) -> dict:
     v = spec.value_fields
     one = on and len(v) == 1 and v[0].g % 4 == 0      # whole int32 words per token row
     meta["V_ASM"], meta["V_VASM"] = 0, ""
-    if one and not spec.meta["V_TQ"] and v[0].bits == 4 and v[0].w == 1:
+    if one and not spec.layout.v_tq and v[0].bits == 4 and v[0].w == 1:
         meta["V_ASM"] = 1                               # two 4-bit codes per byte
     elif one and v[0].bits == 3 and v[0].w == 3:
         meta["V_ASM"] = 3                               # centroids, or uniform codes 0..7
-        table = spec.table[v[0].lut:v[0].lut + 8] if spec.meta["V_TQ"] else range(8)
+        table = spec.table[v[0].lut:v[0].lut + 8] if spec.layout.v_tq else range(8)
         meta["V_VASM"] = _asm.lut3(table)
     return meta
 
@@ -700,68 +628,33 @@ def _block_n(spec) -> int:
     """Largest tile that keeps the tile registers from spilling (ptxas reports, sm_90, 4 warps):
     a rough count of the per-token columns the loop keeps live."""
     kf, vf = spec.key_fields, spec.value_fields
-    v_tq = spec.meta["V_TQ"]
+    v_tq = spec.layout.v_tq
     cost = (sum(f.dp for f in kf) + sum(f.dp for f in vf) * (2 if v_tq else 1)
             + 16 * sum(f.cpw for f in vf))
     return 128 if cost <= 300 else 64 if cost <= 420 else 32
 
 
-def _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens, scale, group, num_splits, out,
-                return_lse, new_kv=None):
-    """The tensor-core path (kernels/decode_mma.py): by default one decode launch that rotates
-    the query and stores ``new_kv`` (if any) itself, whose last split per group writes ``out``
-    (and the LSE); with the config knobs off, a query rotation launch (which also stores
-    ``new_kv``) before it."""
+def _decode_mma(spec, q, kv_cache, block_table, seq_lens, scale, group, num_splits, out,
+                return_lse, new_kv):
+    """The tensor-core path (kernels/decode_mma.py): one launch that rotates the query, stores
+    ``new_kv`` (if any) and merges the splits into ``out`` (and the LSE)."""
     rows, hq, d = q.shape
     batch, hk = seq_lens.numel(), kv_cache.shape[1]
-    pdl = cfg["mma_pdl"]
-    if pdl is None:  # the decode kernel starts during the rotation kernel (sm_90+)
-        pdl = decode_mma.pdl_supported(q.device)
-    qscale = kernel_kv = None
-    fused_rot = decode_mma.fused_rotation_supported(spec)
-    # one launch: the decode kernel stores the new token (and rotates the query)
-    fused_store = (new_kv is not None and cfg["mma_fused_store"] and rows == batch
-                   and fused_rot and decode_mma.fused_store_supported(spec))
-    if fused_store or fused_rot and (new_kv is None if cfg["mma_qrot"] is None
-                                     else cfg["mma_qrot"]):
-        qscale = decode_mma.query_rotation(spec, q.device, scale)[1]
-        qk = q if q.stride(-1) == 1 else q.contiguous()
-        if fused_store:
-            kernel_kv = tuple(x if x.stride(-1) == 1 else x.contiguous()
-                              for x in new_kv[:2]) + (new_kv[2],)
-        elif new_kv is not None:
-            store.store_kv_triton(spec.codec, *new_kv[:2], kv_cache, new_kv[2],
-                                  num_warps=cfg["mma_store_warps"], launch_dependents=pdl,
-                                  key_splits=cfg["mma_store_key_splits"])
-        if new_kv is None or fused_store:
-            pdl = False  # no kernel of this call before the decode
-    elif new_kv is None:
-        qk = decode_mma.rotated_query(spec, q, scale, pdl, cfg["qrot_block"])
-    else:
-        qk = store.store_kv_and_rotate_query(spec.codec, *new_kv[:2], kv_cache, new_kv[2], q,
-                                             *decode_mma.query_rotation(spec, q.device, scale),
-                                             launch_dependents=pdl,
-                                             num_warps=cfg["mma_store_warps"],
-                                             key_splits=cfg["mma_store_key_splits"])
-    # new_kv: each sequence's token at seq_len − 1 is stored by the rotation kernel
-    early = True if new_kv is None or fused_store else "except_last"
-    prefetch = cfg["mma_prefetch"]
+    if new_kv is not None:
+        new_kv = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in new_kv[:2]) + (
+            new_kv[2],)
     if num_splits is None:
         # exactly one wave of one-warp programs: a partial second wave idles most SMs
-        # (bench/results/decode_tune_s6_2_h200_prelim.md: 13 programs per SM where 12 fit
-        # took 84 µs at B = 8, 16K; 12: 67 µs)
-        per_sm = cfg["mma_programs_per_sm"] or decode_mma.programs_per_sm(
-            spec, qk, kv_cache, block_table, seq_lens, group, prefetch, pdl, early,
-            cfg["mma_maxnreg"], qscale, kernel_kv)
+        per_sm = decode_mma.programs_per_sm(spec, q, kv_cache, block_table, seq_lens, group,
+                                            new_kv)
         num_splits = max(1, min(64, per_sm * num_sms(q.device) // (batch * hk)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(rows, hq, dtype=torch.float32, device=q.device) if return_lse else None
-    decode_mma.launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                      num_splits, prefetch, pdl, early_loads=early, maxnreg=cfg["mma_maxnreg"],
-                      qscale=qscale, new_kv=kernel_kv)
+    decode_mma.launch(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
+                      num_splits, scale, new_kv)
     return (out, lse) if return_lse else out
 
 
@@ -772,20 +665,19 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
                             scale: float | None = None, window: int | None = None,
                             softcap: float = 0.0, return_lse: bool = False,
                             max_query_len: int | None = None, num_splits: int | None = None,
-                            out: torch.Tensor | None = None, new_kv: tuple | None = None,
-                            **tune):
+                            out: torch.Tensor | None = None, new_kv: tuple | None = None):
     """Triton decode attention; arguments and row semantics as decode_attention_ref.
 
     ``new_kv`` = (key, value, slot_mapping): the step's new K/V (one token per sequence, at
     position seq_len − 1), stored before they are read (as
-    :func:`tqattn.kernels.store.store_kv_triton`); on the tensor-core path by the decode kernel
-    itself (``mma_fused_store``), else in one launch with the query rotation
-    (``store_kv_and_rotate_query``).
+    :func:`tqattn.kernels.store.store_kv_triton`): by the tensor-core decode kernel itself, else
+    by the store kernel first (:func:`tqattn.kernels.step.decode_kernel_store`).
 
     ``max_query_len`` (rows per sequence, 1 without ``query_start_loc``) fixes the grid; when
     omitted with ``query_start_loc`` it is read from the device (a host sync — pass it under CUDA
-    graphs). ``num_splits`` overrides the split count (default: enough programs to fill the GPU
-    ``target_programs`` times over).
+    graphs). ``num_splits`` overrides the split count (default: one wave of the tensor-core
+    kernel's resident programs; the portable kernel's programs fill the GPU TARGET_PROGRAMS
+    times over).
     """
     rows, hq, d = q.shape
     nb, hk, _ = kv_cache.shape
@@ -796,7 +688,6 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be float16/bfloat16/float32, got {q.dtype}")
     spec = kernel_spec(codec, bs)
-    cfg, asm = launch_config(spec, tune, q.device.type != "cuda")
     if q.stride(-1) != 1:
         q = q.contiguous()
     group = hq // hk
@@ -809,18 +700,17 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     block_m = max(16, min(64, next_pow2(max_query_len * group)))
     row_blocks = triton.cdiv(max_query_len * group, block_m)
     plain = query_start_loc is None and query_pos_start is None and not window and not softcap
-    mma = (cfg["MMA"] and cfg["ASM"] and decode_mma is not None
-           and decode_mma.supported(spec, q, group, plain))
-    if mma:
-        return _decode_mma(spec, cfg, q, kv_cache, block_table, seq_lens,
-                           default_scale(codec, scale), group, num_splits, out, return_lse,
-                           new_kv)
+    if step.decode_kernel_store(spec, q, hk, plain) == step.DECODE_KERNEL:
+        return _decode_mma(spec, q, kv_cache, block_table, seq_lens, default_scale(codec, scale),
+                           group, num_splits, out, return_lse, new_kv)
     if new_kv is not None:
         store.store_kv_triton(codec, new_kv[0], new_kv[1], kv_cache, new_kv[2])
+    interp = interpreted(q.device)
+    block_n, num_warps, asm = launch_config(spec, interp)
     lut, rot = spec.tables_on(q.device)
-    qk = q if spec.meta["K_FP8"] else (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
+    qk = q if spec.layout.k_fp8 else (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
     if num_splits is None:
-        num_splits = max(1, min(64, triton.cdiv(cfg["target_programs"] * num_sms(q.device),
+        num_splits = max(1, min(64, triton.cdiv(TARGET_PROGRAMS * num_sms(q.device),
                                                 batch * hk * row_blocks)))
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -828,7 +718,6 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     qsl = query_start_loc if query_start_loc is not None else dummy
     qpos = query_pos_start if query_pos_start is not None else dummy
     grid = (batch * hk, num_splits, row_blocks)
-    interp = q.device.type != "cuda"
     _decode_split_kernel[grid](
         qk, qk.stride(0), qk.stride(1), q, q.stride(0), q.stride(1), kv_cache,
         kv_cache.stride(0), kv_cache.stride(1),
@@ -839,12 +728,10 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
         spec.kfac, spec.vfac,
         HAS_QSL=query_start_loc is not None, HAS_QPOS=query_pos_start is not None,
         HAS_WINDOW=bool(window), HAS_SOFTCAP=bool(softcap), GROUP=group, HK=hk,
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
-        PREFETCH=cfg["PREFETCH"], **asm,
-        FP8_NATIVE=not interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] and not interp else {}), **spec.meta)
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, **asm,
+        FP8_NATIVE=not interp, num_warps=num_warps, num_stages=1, **spec.constexprs)
 
-    v_rot = spec.meta["V_TQ"]
+    v_rot = spec.layout.v_tq
     if out is None:
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
     dst = torch.empty(rows, hq, d, dtype=torch.float32, device=q.device) if v_rot else out

@@ -1,18 +1,16 @@
 """Decode attention on tensor cores with register-resident operands (Gluon, sm_80+).
 
-Fast path of :func:`tqattn.kernels.decode.decode_attention_triton` for 3-bit centroid keys
-(column-major key planes) with 4-bit uniform values (``turboquant_k3v4_nc``), head size 128,
-GQA groups of up to 8 query heads, one query row per sequence, no window / soft-cap. Math =
-:func:`tqattn.quant.paged.decode_attention_ref` (its twin; the inline asm does not run under
-triton's interpreter, so the comparison runs on the GPU: ``pytest -m gpu``). The query comes
-rotated and scaled from kernels/qrot.py (or the store launch of a decode step), or raw (QROT):
-each program then rotates it itself by a Walsh–Hadamard transform, since the head size 128
-rotation is diag(s)·H/√128 (:func:`_fused_query`, twin :func:`fused_query_ref`) — one launch
-less per call. With a decode step's new K/V (STORE), the last split of each (sequence, KV head)
-also encodes its sequence's new token into the page before reading it
-(:func:`_store_new_token`; the math of kernels/store.py), so a step is one launch. The last
-split of each group to finish merges the group's split outputs (the math of
-``decode._merge_kernel``) into ``out``/``lse``.
+The tensor-core path of :func:`tqattn.kernels.decode.decode_attention_triton` for the layouts of
+:func:`tqattn.kernels._spec.mma_layout` (``turboquant_k3v4_nc``: 3-bit centroid keys in
+column-major planes, 4-bit uniform values, head size 128), GQA groups of up to 8 query heads, one
+query row per sequence, no window / soft-cap. Math = :func:`tqattn.quant.paged.decode_attention_ref`
+(its twin; the inline asm does not run under triton's interpreter, so the comparison runs on the
+GPU: ``pytest -m gpu``). Each program rotates the raw query itself: the head size 128 rotation is
+diag(s)·H/√128, a Walsh–Hadamard transform (:func:`_fused_query`, twin :func:`fused_query_ref`).
+With a decode step's new K/V (STORE), the last split of each (sequence, KV head) encodes its
+sequence's new token into the page before reading it (:func:`_store_new_token`; the math of
+kernels/store.py), so a decode step is one launch. The last split of each group to finish merges
+the group's split outputs (the math of ``decode._merge_kernel``) into ``out``/``lse``.
 
 Why a second kernel: the Triton kernel feeds ``tl.dot`` from blocked layouts, so every decoded
 tile makes a round trip through shared memory (plus barriers), and its ``[heads, tokens]`` dots
@@ -39,25 +37,19 @@ Launch: one warp per (sequence, KV head, split); the split count fills exactly o
 programs that the compiled kernel's registers let an SM hold (programs_per_sm). Each split
 takes a fixed range of tiles; the older of the two programs on an SM scheduler runs much
 faster than the younger, so programs take their (group, split) by arrival, the older ones
-first, and an older program's range is SPLIT_WEIGHTS times a younger one's. The blocks of the
-tile two ahead are prefetched into L2 (L2_AHEAD). By default the
-words of the next tile are loaded while a tile is computed (≤ 255 registers, 8 programs per
-SM; without: 168, 12 per SM — slower at every shape measured). Without QROT / STORE,
-programmatic dependent launch (sm_90+) lets the kernel's prologue overlap the query rotation
-kernel (and the store of a decode step's new K/V, launched with it).
-Measured (H200): bench/results/decode_h200_s14.md; per-program timelines: recording_timeline,
-bench/decode_timeline.py.
+first, and an older program's range is SPLIT_WEIGHTS times a younger one's. The words of the
+next tile are loaded while a tile is computed (≤ 255 registers: 8 programs per SM), and the
+blocks of the tile L2_AHEAD ahead are prefetched into L2. Measurements behind these choices:
+bench/results/README.md.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from . import _asm, qrot
+from . import _asm
 from ._spec import num_sms
 from ..quant.rotation import is_signed_hadamard
 
@@ -86,7 +78,7 @@ def _wht_stage(x, B: gl.constexpr):
 
 @gluon.jit
 def _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale):
-    """QROT: the query operand Qᵀ [128, 8] computed here from the raw query: R = diag(s)·H/√128
+    """The query operand Qᵀ [128, 8] computed from the raw query: R = diag(s)·H/√128
     with its columns in operand order (a bit permutation σ of the column index, so R[:, σ] =
     P_σ·diag(s_σ)·H/√128): load q[σ(k)]·s[σ(k)]/√128 (sgn_ptr), Walsh–Hadamard transform in
     fp32 (bits 0-4 in-thread; bits 5, 6 after one regrouping), times qscale, fp16 — the math
@@ -217,8 +209,8 @@ def operand_coord(k: torch.Tensor) -> torch.Tensor:
 
 def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float) -> torch.Tensor:
     """PyTorch twin of :func:`_fused_query` for q (rows, 128): the same permuted load and the
-    same butterflies, in the same order → fp16 (rows, 128), equal to
-    ``qrot.rotate_query_ref(q, R[:, σ], scale)`` up to fp32 rounding."""
+    same butterflies, in the same order → fp16 (rows, 128), equal to fp16((q·R[:, σ])·scale)
+    up to fp32 rounding."""
     sk = operand_coord(torch.arange(128, device=q.device))
     x = (q.float()[:, sk] * sgn.to(q.device)).T.contiguous()          # [128, rows] as [k, n]
     rows = x.shape[1]
@@ -511,46 +503,22 @@ def _bcast(x):
 @gluon.jit
 def _step(kw, vw, sc, t, tn, pages, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, page0, lane, sc_b,
           BS: gl.constexpr, K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
-          VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr):
-    """Full tile t from its words, and the words of tile tn (pages: its page indices): with
-    PREFETCH loaded during t, each role's as soon as t's words of that role are consumed;
-    else after t."""
-    if PREFETCH:
-        s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False)
-        kw, skn = _load_keys(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
-        gl.thread_barrier()
-        m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau,
-                                     False)
-        vw, svs, svz = _load_values(tn, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
-        gl.thread_barrier()
-        sc = (skn, svs, svz)
-    else:
-        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                   False)
-        kw, vw, sc = _load_tile(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
-                                VZ_OFF)
-    return m_i, l_p, z_p, acc, kw, vw, sc
-
-
-# TIMELINE (bench/decode_timeline.py): each program writes int64 [8] at its linear index
-# (pid · NUM_SPLITS + split): %globaltimer (ns) at its start, after its tiles (and its split
-# output's stores), after the split counter's atomic, at its end; its SM id; the counter's old
-# value; unused; its warp slot in the SM (%warpid)
-@gluon.jit
-def _globaltimer():
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
-                                     is_pure=False, pack=1)
+          VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr):
+    """Full tile t from its words, and the words of tile tn (pages: its page indices) loaded
+    during t, each role's as soon as t's words of that role are consumed."""
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False)
+    kw, skn = _load_keys(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
+    gl.thread_barrier()
+    m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau,
+                                 False)
+    vw, svs, svz = _load_values(tn, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
+    gl.thread_barrier()
+    return m_i, l_p, z_p, acc, kw, vw, (skn, svs, svz)
 
 
 @gluon.jit
 def _warpid():
     return gl.inline_asm_elementwise("mov.u32 $0, %warpid;", "=r", [], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _smid():
-    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
                                      is_pure=False, pack=1)
 
 
@@ -602,21 +570,9 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s
                           float("-inf")), mask=hm)
 
 
-_TIMELINE: list = [None]
-
-
-@contextlib.contextmanager
-def recording_timeline(buf: torch.Tensor):
-    """Within the block, launches write their programs' timestamps (see TIMELINE above) into
-    buf (int64, [≥ programs, 8]); a diagnostic that leaves the results unchanged."""
-    if buf.dtype != torch.int64 or buf.dim() != 2 or buf.shape[1] != 8:
-        raise ValueError(f"timeline buffer: int64 [programs, 8] expected, got {buf.dtype} "
-                         f"{tuple(buf.shape)}")
-    _TIMELINE[0] = buf
-    try:
-        yield buf
-    finally:
-        _TIMELINE[0] = None
+# tiles ahead of the loop whose blocks are prefetched into L2 (more bytes in flight than the
+# registers hold; further ahead the prefetched blocks crowd the L2)
+L2_AHEAD = gl.constexpr(2)
 
 
 # split-count-dependent arguments are not specialised: every split count > 1 runs one build
@@ -627,19 +583,14 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, tab_ptr,
                        out_ptr, so_r, so_h, lse_ptr, sl_r, count_ptr, NUM_SPLITS, sgn_ptr, qscale,
                        kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr, ksgn_ptr,
-                       tl_ptr, TIMELINE: gl.constexpr, L2_AHEAD: gl.constexpr,
                        ASSIGN: gl.constexpr, n_older, w_old, w_young,
                        GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
-                       VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, PREFETCH: gl.constexpr,
-                       WRITE_LSE: gl.constexpr, PDL: gl.constexpr, RELOAD_LAST: gl.constexpr,
-                       QROT: gl.constexpr, STORE: gl.constexpr, K_LUT: gl.constexpr,
-                       K_BND: gl.constexpr):
+                       VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, WRITE_LSE: gl.constexpr,
+                       STORE: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     groups = gl.num_programs(0)
-    if TIMELINE:
-        t_start = _globaltimer()
     if ASSIGN:
         # (group, split) by arrival: programs in warp slots 0-3 (the older of their scheduler's
         # two, which runs faster) take the positions split·groups + group from the front, the
@@ -651,20 +602,15 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         pos = gl.where(older, arrived, groups * NUM_SPLITS - 1 - arrived)
         pid = pos % groups
         split = pos // groups
-    if TIMELINE:
-        tlp = tl_ptr + (pid * NUM_SPLITS + split).to(gl.int64) * 8
-        gl.store(tlp, t_start)
-        gl.store(tlp + 4, _smid().to(gl.int64))
-        gl.store(tlp + 7, _warpid().to(gl.int64))
     b = pid // HK
     kvh = pid % HK
     seq_len = gl.load(seqlen_ptr + b)
     n_tiles = gl.cdiv(seq_len, TILE)
     # each split takes a fixed range of tiles, the sequence's last tile at the end of the last
     # split's. Of the two one-warp programs that share an SM scheduler the older gets most
-    # issue slots (bench/results/decode_timeline2_s13_h200_prelim.json); with positions by
-    # arrival the group's first h_old splits are older programs (n_older: the launch's
-    # expected count), and their ranges are w_old : w_young times the others'
+    # issue slots; with positions by arrival the group's first h_old splits are older programs
+    # (n_older: the launch's expected count), and their ranges are w_old : w_young times the
+    # others'
     h_old = gl.minimum(gl.maximum((n_older - pid + groups - 1) // groups, 0), NUM_SPLITS)
     c0 = w_old * gl.minimum(split, h_old) + w_young * gl.maximum(split - h_old, 0)
     c1 = c0 + gl.where(split < h_old, w_old, w_young)
@@ -684,19 +630,15 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     rho = gl.arange(0, TILE, layout=_ROWS)
     tau = 8 * (rho % 8) + rho // 8
 
-    # the first tile's words are loaded before the wait (the cache does not depend on the
-    # rotation kernel — RELOAD_LAST: except the token at seq_len − 1, which the kernel before
-    # stores; a last split whose first tile is the sequence's last loads it again after the
-    # wait); the page indices run a tile ahead of the words, so a block-table miss never waits
-    # in line before a tile's word loads
+    # the first tile's words are loaded first, the query rotated while they are in flight; the
+    # page indices run a tile ahead of the words, so a block-table miss never waits in line
+    # before a tile's word loads
     kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
                             BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
     pages = _pages(t0 + 1, seq_len, bt_row, lane, BS)
-    kq = gl.arange(0, 128, layout=gl.SliceLayout(1, _OP_B))
     hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
     q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
-    if QROT:  # the raw query: no kernel before this one writes it
-        qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale)
+    qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale)
     if STORE:
         # the step's new token, stored by the last split (it reads the sequence's last tile
         # last) while the first tile's words are in flight; read again if that tile is the last
@@ -707,45 +649,26 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
             if t0 == n_tiles - 1:
                 kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane,
                                         sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-    if PDL:
-        # launched as a programmatic dependent of the rotation kernel: everything above
-        # overlaps its tail; the query (its output) is read only after the grid dependency
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    if RELOAD_LAST:
-        if t0 == n_tiles - 1:
-            kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
-                                    BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-    if not QROT:
-        # the rotated, scaled fp16 query (kernels/qrot.py, columns in operand order) as Qᵀ
-        qb = gl.load(q_ptr + q_rows[None, :] + kq[:, None], mask=(hq < GROUP)[None, :],
-                     other=0.0)
 
     # a finite "-inf": the first tile always takes the rescale branch (alpha = 0)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
     l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
     z_p = l_p
     acc = gl.zeros([128, 8], gl.float32, layout=_MMA)
-    # PREFETCH: the words of the next tile are in flight while a tile is computed, each role's
-    # loaded once the current tile's words of that role are consumed (keys after the scores,
-    # values after P·V), with the page indices a tile further ahead, so the loads wait for
-    # nothing. The barriers (one warp: no waiting) pin the loads there: ptxas otherwise sinks
-    # them to the end of the loop body, ~300 instructions before their use, less than the HBM
-    # latency (session 12: bench/results/decode_tune_s12_*). Else the next tile's words are
-    # loaded after each tile. Either way the words of the last split's last tile are loaded
-    # once its other tiles are done.
-    # L2_AHEAD: the blocks of the tile L2_AHEAD ahead are prefetched into L2: more bytes in
-    # flight than the registers hold (bench/results/decode_pair_s14_l2_h200.json)
+    # the words of the next tile are in flight while a tile is computed, each role's loaded once
+    # the current tile's words of that role are consumed (keys after the scores, values after
+    # P·V), with the page indices a tile further ahead, so the loads wait for nothing. The
+    # barriers (one warp: no waiting) pin the loads there: ptxas otherwise sinks them to the
+    # end of the loop body, closer to their use than the HBM latency. The words of the last
+    # split's last tile are loaded once its other tiles are done.
     pf = _l2_page(t0 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
     for t in range(t0, t_mid):
-        if L2_AHEAD > 0:
-            _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS)
+        _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS)
         m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len, m_i, l_p,
                                                z_p, acc, qb, tab, tau, page0, lane, sc_b, BS,
-                                               K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, PREFETCH)
+                                               K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
         pages = _pages(t + 2, seq_len, bt_row, lane, BS)
-        if L2_AHEAD > 0:
-            pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
+        pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
     if t_mid < t1:  # the last split: the sequence's partial last tile
         m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
                                    True)
@@ -761,8 +684,6 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     dim = 16 * (dims % 8) + dims // 8
     o = acc * inv[None, :] + z[None, :]
     if NUM_SPLITS == 1:  # the group's only split: its rows are final
-        if TIMELINE:
-            gl.store(tlp + 1, _globaltimer())
         orow = b.to(gl.int64) * so_r + (kvh * GROUP + heads) * so_h
         gl.store(out_ptr + orow[None, :] + dim[:, None], o.to(out_ptr.dtype.element_ty),
                  mask=(heads < GROUP)[None, :])
@@ -778,12 +699,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         # lane's stores before the release of the counter; the counter is left at 0 for the
         # next call
         gl.thread_barrier()
-        if TIMELINE:
-            gl.store(tlp + 1, _globaltimer())
         done = gl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if TIMELINE:
-            gl.store(tlp + 2, _globaltimer())
-            gl.store(tlp + 5, done.to(gl.int64))
         if done == NUM_SPLITS - 1:
             gl.store(count_ptr + pid, 0)
             _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s,
@@ -796,43 +712,32 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                     gl.store(count_ptr + groups, 0)
                     gl.store(count_ptr + groups + 1, 0)
                     gl.store(count_ptr + groups + 2, 0)
-    if TIMELINE:
-        gl.thread_barrier()
-        gl.store(tlp + 3, _globaltimer())
 
 
-def supported(spec, q: torch.Tensor, group: int, plain: bool) -> bool:
-    """Whether this kernel serves the call (else the Triton kernel does)."""
-    m = spec.meta
-    kf, vf = spec.key_fields, spec.value_fields
-    return (plain and q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 0)
-            and m["D"] == 128 and group <= 8 and len(kf) == 1 and kf[0].cm and kf[0].lut >= 0
-            and kf[0].g == 16 and not m["V_TQ"] and len(vf) == 1 and vf[0].bits == 4
-            and vf[0].w == 1 and vf[0].g == 64)
+# tiles of a split run by an older program : by a younger one (the kernel comment at h_old)
+SPLIT_WEIGHTS = (5, 3)
+# older programs per SM: the first of each scheduler's (one-warp programs, 4 schedulers)
+OLDER_PER_SM = 4
+# register cap (sm_90, ptxas of triton 3.6): the prefetched words of the next tile need
+# 230-241 registers without spills, and any count up to 256 keeps 8 programs per SM (two warps
+# per 16K-register bank)
+MAXNREG = 255
 
 
-def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
-          prefetch, pdl, early, maxnreg, qscale=None, new_kv=None):
-    if prefetch not in (False, True):
-        raise ValueError(f"prefetch={prefetch!r}: expected True or False")
-    m = spec.meta
+def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
+          scale, new_kv=None):
+    m = spec.layout
     kf = spec.key_fields[0]
     groups = seq_lens.numel() * kv_cache.shape[1]
-    tables = _tables(spec, qk.device)
-    if qscale is not None and tables[2] is None:
-        raise ValueError("qscale: the kernel rotates the query itself only for "
-                         "R = diag(s)·H/√128")
+    tab, sgn, ksgn = _tables(spec, q.device)
     lse_arg = lse if lse is not None else plse
-    args = (qk, qk.stride(0), qk.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+    args = (q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
             block_table, block_table.stride(0), seq_lens,
             part, part.stride(0) // 128, part.stride(1) // 128, part.stride(2) // 128,
-            plse, plse.stride(0), plse.stride(1), tables[0],
+            plse, plse.stride(0), plse.stride(1), tab,
             out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
-            _counters(qk.device, groups + 3), num_splits,
-            tables[2] if qscale is not None else tables[0], float(qscale or 0.0))
+            _counters(q.device, groups + 3), num_splits, sgn, float(scale) * 1.4426950408889634)
     if new_kv is not None:
-        if qscale is None:
-            raise ValueError("new_kv: the kernel stores the new token only with qscale (QROT)")
         kn, vn, slots = new_kv
         if kn.shape != (seq_lens.numel(), kv_cache.shape[1], 128) or vn.shape != kn.shape:
             raise ValueError(f"new_kv: key/value {tuple(kn.shape)} / {tuple(vn.shape)}, expected "
@@ -841,117 +746,58 @@ def _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group
         if kn.stride(-1) != 1 or vn.stride(-1) != 1:
             raise ValueError("new_kv: key/value need a contiguous last dimension")
         args += (kn, kn.stride(0), kn.stride(1), vn, vn.stride(0), vn.stride(1), slots,
-                 spec.tables_on(qk.device)[0], tables[3])
+                 spec.tables_on(q.device)[0], ksgn)
     else:
-        args += (qk, 0, 0, qk, 0, 0, seq_lens, tables[0], tables[0])
-    tl_buf = _TIMELINE[0]
-    if tl_buf is not None and tl_buf.shape[0] < groups * num_splits:
-        raise ValueError(f"timeline buffer: {tl_buf.shape[0]} rows for {groups * num_splits} "
-                         f"programs")
-    args += (tl_buf if tl_buf is not None else seq_lens,)
+        args += (q, 0, 0, q, 0, 0, seq_lens, tab, tab)
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
-                KN_OFF=m["KN_OFF"], V_OFF=spec.value_fields[0].off, VS_OFF=m["VS_OFF"],
-                VZ_OFF=m["VZ_OFF"], PREFETCH=prefetch,
-                WRITE_LSE=lse is not None, PDL=pdl, RELOAD_LAST=pdl and EARLY_LOADS[early],
-                QROT=qscale is not None, STORE=new_kv is not None, K_LUT=kf.lut, K_BND=kf.bnd,
-                TIMELINE=tl_buf is not None, L2_AHEAD=L2_AHEAD, ASSIGN=num_splits > 1,
-                n_older=min(groups * num_splits, OLDER_PER_SM * num_sms(qk.device)),
-                w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1],
-                launch_pdl=pdl, num_warps=1, maxnreg=maxnreg or MAXNREG[prefetch])
+                KN_OFF=m.kn_off, V_OFF=spec.value_fields[0].off, VS_OFF=m.vs_off,
+                VZ_OFF=m.vz_off, WRITE_LSE=lse is not None, STORE=new_kv is not None,
+                K_LUT=kf.lut, K_BND=kf.bnd, ASSIGN=num_splits > 1,
+                n_older=min(groups * num_splits, OLDER_PER_SM * num_sms(q.device)),
+                w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1], num_warps=1, maxnreg=MAXNREG)
     return args, meta
 
 
-# early_loads → the kernel's RELOAD_LAST: True, or "except_last" (the kernel before stores each
-# sequence's token at seq_len − 1: decode steps with new_kv)
-EARLY_LOADS = {True: False, "except_last": True}
-
-# tiles of a split run by an older program : by a younger one (the kernel comment at h_old);
-# paired against claimed tiles (bench/results/decode_pair_s14_weights_h200.json): 1 : 1
-# 32x16K +1.4 µs, 3 : 2 -4.1, 5 : 3 -4.6 (-5.0 in a second run), 7 : 4 -4.4, 2 : 1 -1.9
-SPLIT_WEIGHTS = (5, 3)
-# older programs per SM: the first of each scheduler's (one-warp programs, 4 schedulers)
-OLDER_PER_SM = 4
-# tiles ahead of the loop whose blocks are prefetched into L2 (bench/results/
-# decode_pair_s14_l2_h200.json, 128x4K: 2 -2.3 µs, 1 -1.8, 4 +22: the blocks in flight then
-# crowd the L2)
-L2_AHEAD = 2
-
-# register caps (sm_90, ptxas of triton 3.6: no spills in the loop): 12 resident programs per
-# SM without prefetch (168 registers), 8 with the prefetched words of the next tile (230-239; any
-# count up to 256 keeps 8: two warps per 16K-register bank)
-MAXNREG = {False: 168, True: 255}
 _RESIDENT: dict = {}
 
 
-def programs_per_sm(spec, qk, kv_cache, block_table, seq_lens, group: int, prefetch: bool,
-                    pdl: bool, early_loads: bool | str, maxnreg: int | None = None,
-                    qscale: float | None = None, new_kv: tuple | None = None) -> int:
-    """One-warp programs an SM holds at once, from the register count of the kernel variant
-    that :func:`launch` runs with these flags (the split count fills one wave of them)."""
-    key = (id(spec), group, kv_cache.shape[1], prefetch, pdl, early_loads, maxnreg, qk.dtype,
-           str(qk.device), qscale is not None, new_kv is not None)
+def programs_per_sm(spec, q, kv_cache, block_table, seq_lens, group: int,
+                    new_kv: tuple | None = None) -> int:
+    """One-warp programs an SM holds at once, from the register count of the kernel build that
+    :func:`launch` runs for these arguments (the split count fills one wave of them)."""
+    key = (id(spec), group, kv_cache.shape[1], q.dtype, str(q.device), new_kv is not None)
     if key not in _RESIDENT:
-        part = torch.empty(*qk.shape[:2], 16, qk.shape[2], device=qk.device)
-        plse = torch.empty(*qk.shape[:2], 16, device=qk.device)
-        out = torch.empty(qk.shape, dtype=torch.bfloat16, device=qk.device)
-        args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, None,
-                           group, 16, prefetch, pdl, early_loads, maxnreg, qscale, new_kv)
+        part = torch.empty(*q.shape[:2], 16, q.shape[2], device=q.device)
+        plse = torch.empty(*q.shape[:2], 16, device=q.device)
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+        args, meta = _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, None,
+                           group, 16, 1.0, new_kv)
         kernel = _decode_mma_kernel.warmup(*args, grid=(1, 1), **meta)
         try:
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
             regs = -(-int(kernel.n_regs) // 8) * 8
-        except (AttributeError, TypeError):  # another triton: the sm_90 build's count
-            regs = MAXNREG[prefetch]
+        except (AttributeError, TypeError):  # another triton: the register cap
+            regs = MAXNREG
         # an SM's 64K registers are four 16K banks, one per scheduler, each holding whole
         # warps: 144-168 registers fit 3 one-warp programs per bank, not 65536 / (32·regs)
         _RESIDENT[key] = 4 * max(1, min(16, 16384 // (32 * regs)))
     return _RESIDENT[key]
 
 
-def pdl_supported(device) -> bool:
-    """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def query_rotation(spec, device, scale: float) -> tuple[torch.Tensor, float]:
-    """(R with its columns in operand order, scale·log2(e)): the query operand's transform."""
-    return _tables(spec, device)[1], scale * 1.4426950408889634
-
-
-def rotated_query(spec, q: torch.Tensor, scale: float, pdl: bool = False,
-                  block: int | None = None) -> torch.Tensor:
-    """The kernel's query operand: fp16 q·R[:, c(κ)] times scale·log2(e) (kernels/qrot.py).
-    pdl: the rotation lets the next kernel launch early (see :func:`launch`); block: rows per
-    rotation program."""
-    return qrot.rotate_query(q, *query_rotation(spec, q.device, scale), launch_dependents=pdl,
-                             block=block)
-
-
-def launch(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
-           num_splits: int, prefetch: bool = True, pdl: bool = False,
-           early_loads: bool | str = True, maxnreg: int | None = None,
-           qscale: float | None = None, new_kv: tuple | None = None) -> None:
-    """qk: :func:`rotated_query`, or with ``qscale`` (the softmax scale times log2(e)) the raw
-    query, which the kernel rotates itself (QROT, :func:`fused_rotation_supported`; pdl then
-    refers to the kernel before it, e.g. the store of the step's new K/V); new_kv (with qscale):
-    (key, value, slot_mapping) of one new token per sequence, which the kernel stores itself
-    (STORE: the last split of each group, before reading its tiles); part/plse: split
-    scratch; out (rows, Hq, D) and lse (rows, Hq) or None receive the merged result. pdl:
-    launch as a programmatic dependent of the kernel before it in the stream, which must be the
-    query rotation (the kernel overlaps its prologue
-    with that kernel and waits for its completion before reading ``qk``; work before the
-    rotation kernel is complete when it starts). early_loads: True, the prologue reads the
-    cache before that wait; "except_last" when the rotation kernel also stores each sequence's
-    token at seq_len − 1 (that tile is read again after the wait). maxnreg: the register cap
-    (None: :data:`MAXNREG` of the prefetch mode)."""
+def launch(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,
+           num_splits: int, scale: float, new_kv: tuple | None = None) -> None:
+    """q: the raw query (rows, Hq, 128), contiguous last dimension; scale: the softmax scale;
+    new_kv: (key, value, slot_mapping) of one new token per sequence, which the kernel stores
+    itself (STORE: the last split of each group, before reading its tiles); part/plse: split
+    scratch; out (rows, Hq, D) and lse (rows, Hq) or None receive the merged result."""
     if out.stride(-1) != 1:
         raise ValueError(f"out must have a contiguous last dimension, strides {out.stride()}")
     if part.stride(-1) != 1 or any(x % 128 for x in part.stride()[:3]):
         raise ValueError(f"part: rows of 128 contiguous fp32 expected, strides {part.stride()}")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits}: the tensor-core kernel merges 1..{MAX_SPLITS}")
-    args, meta = _args(spec, qk, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
-                       num_splits, prefetch, pdl, early_loads, maxnreg, qscale, new_kv)
+    args, meta = _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
+                       num_splits, scale, new_kv)
     _decode_mma_kernel[(seq_lens.numel() * kv_cache.shape[1], num_splits)](*args, **meta)
 
 
@@ -975,34 +821,17 @@ _TABLES: dict = {}
 
 def _tables(spec, device) -> tuple:
     """On device, cached per spec: the key codebook as the 4 int32 prmt table words, one copy
-    per lane [32, 4]; the rotation fp32 with its columns in operand order (column κ = column
-    c(κ) of R); for QROT the signs s[σ(k)]/√128 when R = diag(s)·H/√128 (every head size 128
-    rotation of quant/rotation.py), else None; for STORE s/√128 (natural order), else None."""
+    per lane [32, 4]; the rotation's signs s[σ(k)]/√128 in operand order (R = diag(s)·H/√128,
+    :func:`_fused_query`); s/√128 in natural order (:func:`_store_new_token`)."""
     key = (id(spec), str(device))
     if key not in _TABLES:
         kf = spec.key_fields[0]
         words = _asm.lut3_table_words(spec.table[kf.lut:kf.lut + 8].tolist())
-        coord = operand_coord(torch.arange(128))
         r = spec.codec.rotation.float().cpu()
-        rot = r[:, coord].contiguous()
-        sgn = ksgn = None
-        if is_signed_hadamard(r):
-            s = torch.sign(r[:, 0]) / 128 ** 0.5
-            sgn, ksgn = s[coord].float().to(device), s.float().to(device)
+        if not is_signed_hadamard(r):
+            raise ValueError("the tensor-core kernel needs a rotation diag(s)·H/√128")
+        s = torch.sign(r[:, 0]) / 128 ** 0.5
         _TABLES[key] = (torch.tensor([words] * 32, dtype=torch.int32, device=device),
-                        rot.to(device), sgn, ksgn)
+                        s[operand_coord(torch.arange(128))].float().to(device),
+                        s.float().to(device))
     return _TABLES[key]
-
-
-def fused_store_supported(spec) -> bool:
-    """Whether the kernel can store a step's new token itself (STORE, :func:`_store_new_token`):
-    the layout :func:`supported` reads, keys without outliers and with the folded norm, 15-level
-    values, no padding bytes, a signed Hadamard rotation."""
-    m = spec.meta
-    return (m["K_NOUT"] == 0 and m["K_CORR"] == 1 and m["V_LEVELS"] == 15 and m["PAD_N"] == 0
-            and not m["V_TQ"] and not m["K_FP8"] and _tables(spec, "cpu")[3] is not None)
-
-
-def fused_rotation_supported(spec) -> bool:
-    """Whether the kernel can rotate the query itself (QROT; see :func:`_fused_query`)."""
-    return _tables(spec, "cpu")[2] is not None

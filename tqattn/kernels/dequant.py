@@ -16,7 +16,7 @@ import triton.language as tl
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
 from . import _tl
-from ._spec import kernel_spec
+from ._spec import interpreted, kernel_spec
 
 
 @triton.jit
@@ -55,29 +55,33 @@ def _unrotate_store(c0, c1, out_rows, ok, out_ptr, rot_ptr, oidx, oval, D: tl.co
 
 
 @triton.jit
-def _dequant_kernel(
-        cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr, cu_ptr, k_ptr, sk_n, sk_h, v_ptr, sv_n,
-        sv_h, lut_ptr, rot_ptr, kfac, vfac,
-        HK: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, FP8_NATIVE: tl.constexpr,
-        BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, K_NOUT: tl.constexpr,
-        K_NOUTP: tl.constexpr, KOI_OFF: tl.constexpr, KOV_OFF: tl.constexpr,
-        HAS_K1: tl.constexpr,
-        K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
-        K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
-        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr, K0_CM: tl.constexpr,
-        K1_OFF: tl.constexpr, K1_BITS: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr,
-        K1_GP: tl.constexpr, K1_CPW: tl.constexpr, K1_START: tl.constexpr,
-        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr, K1_CM: tl.constexpr,
-        V_TQ: tl.constexpr, V_CORR: tl.constexpr, V_LEVELS: tl.constexpr, VN_OFF: tl.constexpr,
-        VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
-        V0_OFF: tl.constexpr, V0_BITS: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr,
-        V0_GP: tl.constexpr, V0_CPW: tl.constexpr, V0_START: tl.constexpr,
-        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr, V0_CM: tl.constexpr,
-        V1_OFF: tl.constexpr, V1_BITS: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr,
-        V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
-        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
-        PAD_OFF: tl.constexpr, PAD_N: tl.constexpr):
+def _dequant_rotated(cache_ptr, lut_ptr, pbase, tip, ok, out_rows, out_ptr, rot_ptr, oidx, oval,
+                     fac, BD: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                     N_OFF: tl.constexpr, CORR: tl.constexpr, HAS_1: tl.constexpr,
+                     NOUT: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr):
+    """Rotated keys or values (fields F0 and, with HAS_1, F1; norm plane N_OFF) → their rows of
+    out in the original basis."""
+    c0 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, F0.off, F0.bits, F0.w, F0.g, F0.gp,
+                    F0.cpw, F0.lut, F0.cm)
+    if HAS_1:
+        c1 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, F1.off, F1.bits, F1.w, F1.g,
+                        F1.gp, F1.cpw, F1.lut, F1.cm)
+    else:
+        c1 = c0
+    f = _tl.load_fp16(cache_ptr, pbase, tip, ok, N_OFF)  # "nc": folded into the norm
+    if CORR == 2:
+        f = f * fac
+    _unrotate_store(c0 * f[:, None], c1 * f[:, None], out_rows, ok, out_ptr, rot_ptr, oidx, oval,
+                    D, DP, BD, HAS_1, NOUT, F0.gp, F0.cpw, F0.start, F0.count, F1.gp, F1.cpw,
+                    F1.start, F1.count)
+
+
+@triton.jit
+def _dequant_kernel(cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr, cu_ptr, k_ptr, sk_n,
+                    sk_h, v_ptr, sv_n, sv_h, lut_ptr, rot_ptr, kfac, vfac, HK: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BD: tl.constexpr, FP8_NATIVE: tl.constexpr,
+                    L: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, V0: tl.constexpr,
+                    V1: tl.constexpr):
     tile = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -85,79 +89,58 @@ def _dequant_kernel(
     if tile * BLOCK_N < seq_len:
         tok = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = tok < seq_len
-        blk = tl.load(bt_ptr + b.to(tl.int64) * sbt + tok // BS, mask=ok, other=0).to(tl.int64)
+        blk = tl.load(bt_ptr + b.to(tl.int64) * sbt + tok // L.bs, mask=ok, other=0).to(tl.int64)
         pbase = blk * sc_b + kvh * sc_h
-        tip = tok % BS
+        tip = tok % L.bs
         row = (tl.load(cu_ptr + b) + tok).to(tl.int64)
         k_rows = row * sk_n + kvh * sk_h
         v_rows = row * sv_n + kvh * sv_h
-        if K_NOUT > 0:
-            oidx, oval = _tl.load_outliers(cache_ptr, pbase, tip, ok, KOI_OFF, KOV_OFF, K_NOUT,
-                                           K_NOUTP)
+        if L.k_nout > 0:
+            oidx, oval = _tl.load_outliers(cache_ptr, pbase, tip, ok, L.koi_off, L.kov_off,
+                                           L.k_nout, L.k_noutp)
         else:
-            oidx = tl.zeros([BLOCK_N, K_NOUTP], tl.int32)
-            oval = tl.zeros([BLOCK_N, K_NOUTP], tl.float32)
+            NOUTP: tl.constexpr = L.k_noutp   # shapes take constexprs, not plain ints
+            oidx = tl.zeros([BLOCK_N, NOUTP], tl.int32)
+            oval = tl.zeros([BLOCK_N, NOUTP], tl.float32)
 
-        if K_FP8:
-            codes = _tl.load_codes(cache_ptr, pbase, tip, ok, K0_OFF, BS, K0_BITS, K0_W, K0_G,
-                                   K0_GP, K0_CPW, K0_CM)
+        if L.k_fp8:
+            codes = _tl.load_codes(cache_ptr, pbase, tip, ok, K0.off, L.bs, K0.bits, K0.w, K0.g,
+                                   K0.gp, K0.cpw, K0.cm)
             if FP8_NATIVE:
                 kv = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
-                kv = tl.load(lut_ptr + K0_LUT + codes, mask=ok[:, None], other=0.0)
-            d = tl.arange(0, K0_GP)
+                kv = tl.load(lut_ptr + K0.lut + codes, mask=ok[:, None], other=0.0)
+            d = tl.arange(0, K0.gp)
             tl.store(k_ptr + k_rows[:, None] + d[None, :], kv.to(k_ptr.dtype.element_ty),
-                     mask=ok[:, None] & (d < D)[None, :])
+                     mask=ok[:, None] & (d < L.d)[None, :])
         else:
-            c0 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, K0_OFF, K0_BITS, K0_W,
-                            K0_G, K0_GP, K0_CPW, K0_LUT, K0_CM)
-            if HAS_K1:
-                c1 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, K1_OFF, K1_BITS,
-                                K1_W, K1_G, K1_GP, K1_CPW, K1_LUT, K1_CM)
-            f = _tl.load_fp16(cache_ptr, pbase, tip, ok, KN_OFF)  # "nc": folded into the norm
-            if K_CORR == 2:
-                f = f * kfac
-            if not HAS_K1:
-                c1 = c0
-            _unrotate_store(c0 * f[:, None], c1 * f[:, None], k_rows, ok, k_ptr, rot_ptr, oidx,
-                            oval, D, DP, BD, HAS_K1, K_NOUT, K0_GP, K0_CPW, K0_START, K0_COUNT,
-                            K1_GP, K1_CPW, K1_START, K1_COUNT)
+            _dequant_rotated(cache_ptr, lut_ptr, pbase, tip, ok, k_rows, k_ptr, rot_ptr, oidx,
+                             oval, kfac, BD, L.bs, L.d, L.dp, L.kn_off, L.k_corr, L.has_k1,
+                             L.k_nout, K0, K1)
 
-        if V_TQ:
-            c0 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, V0_OFF, V0_BITS, V0_W,
-                            V0_G, V0_GP, V0_CPW, V0_LUT, V0_CM)
-            if HAS_V1:
-                c1 = _centroids(cache_ptr, lut_ptr, pbase, tip, ok, BS, V1_OFF, V1_BITS,
-                                V1_W, V1_G, V1_GP, V1_CPW, V1_LUT, V1_CM)
-            f = _tl.load_fp16(cache_ptr, pbase, tip, ok, VN_OFF)  # "nc": folded into the norm
-            if V_CORR == 2:
-                f = f * vfac
-            if not HAS_V1:
-                c1 = c0
-            _unrotate_store(c0 * f[:, None], c1 * f[:, None], v_rows, ok, v_ptr, rot_ptr, oidx,
-                            oval, D, DP, BD, HAS_V1, 0, V0_GP, V0_CPW, V0_START, V0_COUNT,
-                            V1_GP, V1_CPW, V1_START, V1_COUNT)
+        if L.v_tq:
+            _dequant_rotated(cache_ptr, lut_ptr, pbase, tip, ok, v_rows, v_ptr, rot_ptr, oidx,
+                             oval, vfac, BD, L.bs, L.d, L.dp, L.vn_off, L.v_corr, L.has_v1, 0,
+                             V0, V1)
         else:
-            codes = _tl.load_codes(cache_ptr, pbase, tip, ok, V0_OFF, BS, V0_BITS, V0_W, V0_G,
-                                   V0_GP, V0_CPW, V0_CM)
-            sc = _tl.load_fp16(cache_ptr, pbase, tip, ok, VS_OFF)
-            zr = _tl.load_fp16(cache_ptr, pbase, tip, ok, VZ_OFF)
+            codes = _tl.load_codes(cache_ptr, pbase, tip, ok, V0.off, L.bs, V0.bits, V0.w, V0.g,
+                                   V0.gp, V0.cpw, V0.cm)
+            sc = _tl.load_fp16(cache_ptr, pbase, tip, ok, L.vs_off)
+            zr = _tl.load_fp16(cache_ptr, pbase, tip, ok, L.vz_off)
             val = codes.to(tl.float32) * sc[:, None] + zr[:, None]
-            col = _tl.coords(V0_GP, V0_CPW)
+            col = _tl.coords(V0.gp, V0.cpw)
             tl.store(v_ptr + v_rows[:, None] + col[None, :], val.to(v_ptr.dtype.element_ty),
-                     mask=ok[:, None] & (col < D)[None, :])
+                     mask=ok[:, None] & (col < L.d)[None, :])
 
 
-# tokens per program and warps: fastest of the H200 sweep (bench/results/store_dequant_h200.json,
-# 8K prefix: 140 µs vs 177 µs at 32 tokens for one sequence, 996 vs 1188 µs for eight)
-DEFAULTS = {"block_n": 128, "num_warps": 4}
+# tokens per program and warps (bench/store_dequant.py sweeps them)
+BLOCK_N, NUM_WARPS = 128, 4
 
 
 def dequant_kv_triton(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                       max_seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      block_n: int | None = None, num_warps: int | None = None):
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Paged cache → (K, V) (total_tokens, Hk, D) of ``dtype`` in the original basis, sequence b at
     rows ``cu_seqlens[b]:cu_seqlens[b] + seq_lens[b]``.
 
@@ -182,13 +165,11 @@ def dequant_kv_triton(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch
     if max_seq_len == 0 or seq_lens.numel() == 0:
         return k_out, v_out
     lut, rot = spec.tables_on(dev)
-    block_n = block_n or DEFAULTS["block_n"]
-    num_warps = num_warps or DEFAULTS["num_warps"]
-    grid = (triton.cdiv(max_seq_len, block_n), seq_lens.numel(), hk)
+    grid = (triton.cdiv(max_seq_len, BLOCK_N), seq_lens.numel(), hk)
     _dequant_kernel[grid](
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), block_table, block_table.stride(0),
         seq_lens, cu_seqlens, k_out, k_out.stride(0), k_out.stride(1), v_out, v_out.stride(0),
         v_out.stride(1), lut, rot, spec.kfac, spec.vfac,
-        HK=hk, BLOCK_N=block_n, BD=min(32, spec.meta["DP"]), FP8_NATIVE=dev.type == "cuda",
-        num_warps=num_warps, **spec.meta)
+        HK=hk, BLOCK_N=BLOCK_N, BD=min(32, spec.layout.dp), FP8_NATIVE=not interpreted(dev),
+        num_warps=NUM_WARPS, **spec.constexprs)
     return k_out, v_out

@@ -11,13 +11,14 @@ reference except where the different summation order / the dropped lo·lo term m
 across a bucket boundary (rare, bounded in the tests). Outlier-split keys: the m largest-|k|
 channels are picked by m arg-max passes (ties → the lower channel, as the reference's stable
 sort); the rotation of k − Σ o_c e_c is the rotation of k minus Σ o_c R[c, :] (rows gathered
-after the dots, so nothing sits between the load and the TF32 split). Rows per program and
-timings: bench/results/store_dequant_h200.json.
+after the dots, so nothing sits between the load and the TF32 split).
 
 At decode sizes a step's time includes the store's slowest program (a key program: the decode
 launches when it ends), so that program's latency chain is kept short: the table scalars and
-the rotation (one chunk) are loaded first, next to the rows, and the three TF32 dots accumulate
-in separate chains (bench/results/decode_notes.md, session 10).
+the rotation (one chunk) are loaded first, next to the rows, the three TF32 dots accumulate
+in separate chains, and a key row block's coordinates may be split over several programs
+(auto_key_splits). Launch sizes are module constants (ROWS_PER_PROGRAM, DECODE_*); how they
+were chosen: bench/results/README.md.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import triton.language as tl
 
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
-from . import _tl, qrot
-from ._spec import kernel_spec, num_sms
+from . import _tl
+from ._spec import interpreted, kernel_spec, num_sms
 
 
 @triton.jit
@@ -198,7 +199,7 @@ def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, r_all, D: tl.constexpr,
             y = (tl.dot(xh, rh, y, input_precision="tf32")
                  + tl.where(live, tl.dot(xl, rh, input_precision="tf32"), 0.0)
                  + tl.where(live, tl.dot(xh, rl, input_precision="tf32"), 0.0))
-        else:  # IEEE fp32 on the FMA units (the whole store 1.5x slower at 16K tokens)
+        else:  # IEEE fp32 on the FMA units (the interpreter's path: it has no TF32)
             xk = tl.load(x_ptr + rows[:, None] + kk[None, :],
                          mask=ld_ok[:, None] & (kk < D)[None, :], other=0.0).to(tl.float32)
             uk = tl.math.div_rn(tl.where(bad[:, None], 0.0, xk), den[:, None])
@@ -241,100 +242,91 @@ def _row_stats(x_ptr, rows, ld_ok, D: tl.constexpr, DP: tl.constexpr):
 @triton.jit
 def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                  D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
-                 TF32X3: tl.constexpr, BS: tl.constexpr, N_OFF: tl.constexpr,
-                 FOLD: tl.constexpr, NOUT: tl.constexpr, NOUTP: tl.constexpr,
-                 OI_OFF: tl.constexpr, OV_OFF: tl.constexpr, HAS_F1: tl.constexpr,
-                 F0_OFF: tl.constexpr, F0_BITS: tl.constexpr, F0_W: tl.constexpr,
-                 F0_G: tl.constexpr, F0_GP: tl.constexpr, F0_CPW: tl.constexpr,
-                 F0_START: tl.constexpr, F0_COUNT: tl.constexpr, F0_LUT: tl.constexpr,
-                 F0_BND: tl.constexpr, F0_CM: tl.constexpr,
-                 F1_OFF: tl.constexpr, F1_BITS: tl.constexpr, F1_W: tl.constexpr,
-                 F1_G: tl.constexpr, F1_GP: tl.constexpr, F1_CPW: tl.constexpr,
-                 F1_START: tl.constexpr, F1_COUNT: tl.constexpr, F1_LUT: tl.constexpr,
-                 F1_BND: tl.constexpr, F1_CM: tl.constexpr):
+                 TF32X3: tl.constexpr, BS: tl.constexpr, N_OFF: tl.constexpr, FOLD: tl.constexpr,
+                 NOUT: tl.constexpr, NOUTP: tl.constexpr, OI_OFF: tl.constexpr,
+                 OV_OFF: tl.constexpr, HAS_F1: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr):
     """Norm + rotation + Lloyd–Max codes of x rows (the codec's _encode_unit), after taking
     NOUT outlier channels out (the codec's _split_outliers)."""
     # one rotation chunk (decode-size steps): R's loads are issued first, with the table's, so
     # they overlap the rows' loads and reductions
     PRE: tl.constexpr = BK == DP
     if PRE:
-        r0 = _rot_chunk(rot_ptr, 0, D, BK, F0_START, F0_COUNT, F0_GP * F0_CPW)
+        r0 = _rot_chunk(rot_ptr, 0, D, BK, F0.start, F0.count, F0.gp * F0.cpw)
         if HAS_F1:
-            r1 = _rot_chunk(rot_ptr, 0, D, BK, F1_START, F1_COUNT, F1_GP * F1_CPW)
+            r1 = _rot_chunk(rot_ptr, 0, D, BK, F1.start, F1.count, F1.gp * F1.cpw)
         else:
             r1 = r0
     else:
         r0 = 0.0
         r1 = 0.0
-    bnd0 = _table16(tab_ptr + F0_BND, (1 << F0_BITS) - 1)
-    cen0 = _table16(tab_ptr + F0_LUT, (1 << F0_BITS) if FOLD else 0)
-    bnd1 = _table16(tab_ptr + F1_BND, (1 << F1_BITS) - 1 if HAS_F1 else 0)
-    cen1 = _table16(tab_ptr + F1_LUT, (1 << F1_BITS) if FOLD and HAS_F1 else 0)
+    bnd0 = _table16(tab_ptr + F0.bnd, (1 << F0.bits) - 1)
+    cen0 = _table16(tab_ptr + F0.lut, (1 << F0.bits) if FOLD else 0)
+    bnd1 = _table16(tab_ptr + F1.bnd, (1 << F1.bits) - 1 if HAS_F1 else 0)
+    cen1 = _table16(tab_ptr + F1.lut, (1 << F1.bits) if FOLD and HAS_F1 else 0)
     bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
     if NOUT > 0:
         oidx, oval = _split_outliers(x, h_ok, cache_ptr, base, off, D, DP, HB, OI_OFF, OV_OFF,
                                      NOUT, NOUTP)
         d = tl.arange(0, DP)[None, None, :]
         x = x - tl.sum(tl.where(d == oidx[:, :, None], oval[:, :, None], 0.0), axis=1)
-        corr0 = _outlier_rows(oidx, oval, rot_ptr, D, F0_START, F0_COUNT, F0_GP * F0_CPW)
+        corr0 = _outlier_rows(oidx, oval, rot_ptr, D, F0.start, F0.count, F0.gp * F0.cpw)
     else:
-        corr0 = tl.zeros([HB, F0_GP * F0_CPW], tl.float32)
+        F0_DP: tl.constexpr = F0.gp * F0.cpw   # shapes take constexprs, not plain ints
+        corr0 = tl.zeros([HB, F0_DP], tl.float32)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
-    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, r0, D, DP, BK, HB, F0_START,
-                F0_COUNT, F0_GP * F0_CPW, TF32X3, NOUT > 0, PRE)
-    code = _bucketize(y, bnd0, F0_BITS)
-    _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0_OFF, F0_BITS, F0_W, F0_G, F0_GP,
-                 F0_CPW, F0_CM)
+    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, r0, D, DP, BK, HB, F0.start,
+                F0.count, F0.gp * F0.cpw, TF32X3, NOUT > 0, PRE)
+    code = _bucketize(y, bnd0, F0.bits)
+    _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0.off, F0.bits, F0.w, F0.g, F0.gp,
+                 F0.cpw, F0.cm)
     if FOLD:
-        ss = _centroid_ss(code, cen0, F0_BITS, F0_COUNT)
+        ss = _centroid_ss(code, cen0, F0.bits, F0.count)
     if HAS_F1:
         if NOUT > 0:
-            corr1 = _outlier_rows(oidx, oval, rot_ptr, D, F1_START, F1_COUNT, F1_GP * F1_CPW)
+            corr1 = _outlier_rows(oidx, oval, rot_ptr, D, F1.start, F1.count, F1.gp * F1.cpw)
         else:
-            corr1 = tl.zeros([HB, F1_GP * F1_CPW], tl.float32)
-        y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, r1, D, DP, BK, HB, F1_START,
-                     F1_COUNT, F1_GP * F1_CPW, TF32X3, NOUT > 0, PRE)
-        code1 = _bucketize(y1, bnd1, F1_BITS)
-        _store_codes(code1, cache_ptr, base, off, h_ok, HB, BS, F1_OFF, F1_BITS, F1_W, F1_G,
-                     F1_GP, F1_CPW, F1_CM)
+            F1_DP: tl.constexpr = F1.gp * F1.cpw
+            corr1 = tl.zeros([HB, F1_DP], tl.float32)
+        y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, r1, D, DP, BK, HB, F1.start,
+                     F1.count, F1.gp * F1.cpw, TF32X3, NOUT > 0, PRE)
+        code1 = _bucketize(y1, bnd1, F1.bits)
+        _store_codes(code1, cache_ptr, base, off, h_ok, HB, BS, F1.off, F1.bits, F1.w, F1.g,
+                     F1.gp, F1.cpw, F1.cm)
         if FOLD:
-            ss += _centroid_ss(code1, cen1, F1_BITS, F1_COUNT)
+            ss += _centroid_ss(code1, cen1, F1.bits, F1.count)
     if FOLD:  # "nc": the page stores n / ‖ĉ‖ (tqattn.quant.paged)
         nrm = (nrm.to(tl.float64) / tl.sqrt(ss)).to(tl.float32)  # fp64: IEEE div and sqrt
     _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
 
 
 @triton.jit
-def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
-                     part, rb, ss_ptr, cnt_ptr, D: tl.constexpr, DP: tl.constexpr,
-                     HB: tl.constexpr, TF32X3: tl.constexpr, BS: tl.constexpr,
-                     N_OFF: tl.constexpr, FOLD: tl.constexpr, OFF: tl.constexpr,
-                     BITS: tl.constexpr, W: tl.constexpr, G: tl.constexpr, CPW: tl.constexpr,
-                     START: tl.constexpr, LUT: tl.constexpr, BND: tl.constexpr,
-                     CM: tl.constexpr, KS: tl.constexpr):
+def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
+                     tab_ptr, part, rb, ss_ptr, cnt_ptr, D: tl.constexpr, DP: tl.constexpr,
+                     HB: tl.constexpr, TF32X3: tl.constexpr, BS: tl.constexpr, N_OFF: tl.constexpr,
+                     FOLD: tl.constexpr, F: tl.constexpr, KS: tl.constexpr):
     """Part ``part`` of KS of a single-field key's encoding (no outliers): the rotated
-    coordinates of words [part·G/KS, (part+1)·G/KS) and their codes. Every part computes the
+    coordinates of words [part·G/KS, (part+1)·G/KS) of F and their codes. Every part computes the
     row norm; with FOLD the parts' Σĉ² meet in ``ss_ptr`` (fp64 atomics) and the last part of
     the row block to finish (``cnt_ptr``) writes the folded norm and resets both."""
-    NG: tl.constexpr = G // KS
-    PC: tl.constexpr = NG * CPW
+    NG: tl.constexpr = F.g // KS
+    PC: tl.constexpr = NG * F.cpw
     kk = tl.arange(0, DP)
     j = tl.arange(0, PC)
-    rp = tl.load(rot_ptr + kk[:, None] * D + (START + part * PC) + j[None, :],
+    rp = tl.load(rot_ptr + kk[:, None] * D + (F.start + part * PC) + j[None, :],
                  mask=(kk < D)[:, None], other=0.0)
-    bnd = _table16(tab_ptr + BND, (1 << BITS) - 1)
-    cen = _table16(tab_ptr + LUT, (1 << BITS) if FOLD else 0)
+    bnd = _table16(tab_ptr + F.bnd, (1 << F.bits) - 1)
+    cen = _table16(tab_ptr + F.lut, (1 << F.bits) if FOLD else 0)
     bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
     y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, 0.0, rp, D, DP, DP, HB, 0, PC, PC,
                 TF32X3, False, True)
-    code = _bucketize(y, bnd, BITS)
-    _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, OFF, BITS, W, G, NG, CPW, CM,
+    code = _bucketize(y, bnd, F.bits)
+    _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F.off, F.bits, F.w, F.g, NG, F.cpw, F.cm,
                  part * NG, NG)
     if FOLD:
-        tl.atomic_add(ss_ptr + r, _centroid_ss(code, cen, BITS, PC), mask=ld_ok, sem="relaxed")
+        tl.atomic_add(ss_ptr + r, _centroid_ss(code, cen, F.bits, PC), mask=ld_ok, sem="relaxed")
         tl.debug_barrier()  # every thread's add before the counter's release
         if tl.atomic_add(cnt_ptr + rb, 1, sem="acq_rel") == KS - 1:
             ss = tl.atomic_add(ss_ptr + r, 0.0, mask=ld_ok, sem="acquire")
@@ -346,45 +338,18 @@ def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
         _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
 
 
-QROT_BLOCK = tl.constexpr(qrot.FUSED_BLOCK)
-QROT_BLOCK_C = tl.constexpr(qrot.BLOCK_C)
-
-
 @triton.jit
-def _store_kernel(
-        k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h, rot_ptr, tab_ptr,
-        N_ROWS, HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr, TF32X3: tl.constexpr,
-        BS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        K_FP8: tl.constexpr, K_CORR: tl.constexpr, KN_OFF: tl.constexpr, K_NOUT: tl.constexpr,
-        K_NOUTP: tl.constexpr, KOI_OFF: tl.constexpr, KOV_OFF: tl.constexpr,
-        HAS_K1: tl.constexpr,
-        K0_OFF: tl.constexpr, K0_BITS: tl.constexpr, K0_W: tl.constexpr, K0_G: tl.constexpr,
-        K0_GP: tl.constexpr, K0_CPW: tl.constexpr, K0_START: tl.constexpr,
-        K0_COUNT: tl.constexpr, K0_LUT: tl.constexpr, K0_BND: tl.constexpr, K0_CM: tl.constexpr,
-        K1_OFF: tl.constexpr, K1_BITS: tl.constexpr, K1_W: tl.constexpr, K1_G: tl.constexpr,
-        K1_GP: tl.constexpr, K1_CPW: tl.constexpr, K1_START: tl.constexpr,
-        K1_COUNT: tl.constexpr, K1_LUT: tl.constexpr, K1_BND: tl.constexpr, K1_CM: tl.constexpr,
-        V_TQ: tl.constexpr, V_CORR: tl.constexpr, V_LEVELS: tl.constexpr, VN_OFF: tl.constexpr,
-        VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, HAS_V1: tl.constexpr,
-        V0_OFF: tl.constexpr, V0_BITS: tl.constexpr, V0_W: tl.constexpr, V0_G: tl.constexpr,
-        V0_GP: tl.constexpr, V0_CPW: tl.constexpr, V0_START: tl.constexpr,
-        V0_COUNT: tl.constexpr, V0_LUT: tl.constexpr, V0_BND: tl.constexpr, V0_CM: tl.constexpr,
-        V1_OFF: tl.constexpr, V1_BITS: tl.constexpr, V1_W: tl.constexpr, V1_G: tl.constexpr,
-        V1_GP: tl.constexpr, V1_CPW: tl.constexpr, V1_START: tl.constexpr,
-        V1_COUNT: tl.constexpr, V1_LUT: tl.constexpr, V1_BND: tl.constexpr, V1_CM: tl.constexpr,
-        PAD_OFF: tl.constexpr, PAD_N: tl.constexpr,
-        q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, HAS_Q: tl.constexpr,
-        LAUNCH_DEPENDENTS: tl.constexpr, ss_ptr, cnt_ptr, KS: tl.constexpr):
+def _store_kernel(k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h,
+                  rot_ptr, tab_ptr, N_ROWS, HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
+                  TF32X3: tl.constexpr, L: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
+                  V0: tl.constexpr, V1: tl.constexpr, ss_ptr, cnt_ptr, KS: tl.constexpr):
     # programs: [0, KS·n_kv) keys of row block pid // KS (part pid % KS of its coordinates),
-    # [KS·n_kv, (KS+1)·n_kv) values; with HAS_Q, then the query rotation's blocks
-    # (kernels/qrot.py), so a decode step stores and rotates in one launch
+    # [KS·n_kv, (KS+1)·n_kv) values
     pid = tl.program_id(0)
     n_kv = tl.maximum(tl.cdiv(N_ROWS, HB), 1)
     n_k = KS * n_kv
-    if HAS_Q:
-        if pid >= n_k + n_kv:
-            qrot.rotate_block(q_ptr, NQ_ROWS, qr_ptr, qo_ptr, q_scale, pid - n_k - n_kv, D,
-                              QROT_BLOCK, QROT_BLOCK_C)
+    # true for every program of the grid; without the test ptxas schedules the whole kernel
+    # differently (not measured), so the timed build is kept
     if pid < n_k + n_kv:
         is_key = pid < n_k
         rb = tl.where(is_key, pid // KS, pid - n_k)
@@ -397,97 +362,70 @@ def _store_kernel(
         ld_ok = r < N_ROWS
         slot = tl.load(slot_ptr + n, mask=ld_ok, other=-1).to(tl.int64)
         h_ok = slot >= 0
-        blk = tl.where(h_ok, slot, 0) // BS
-        off = tl.where(h_ok, slot, 0) % BS
+        blk = tl.where(h_ok, slot, 0) // L.bs
+        off = tl.where(h_ok, slot, 0) % L.bs
         base = blk * sc_b + h.to(tl.int64) * sc_h
         k_rows = n.to(tl.int64) * sk_n + h * sk_h
         v_rows = n.to(tl.int64) * sv_n + h * sv_h
 
         if is_key:
-            if K_FP8:
-                d = tl.arange(0, DP)
+            if L.k_fp8:
+                d = tl.arange(0, L.dp)
                 x = tl.load(k_ptr + k_rows[:, None] + d[None, :],
-                            mask=ld_ok[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-                tl.store(_tl.row_ptr(cache_ptr, base, off, K0_OFF, K0_G, K0_CM)
-                         + (d[None, :] * BS if K0_CM else d[None, :]),
-                         _fp8_e4m3(x).to(tl.uint8), mask=h_ok[:, None] & (d < D)[None, :])
+                            mask=ld_ok[:, None] & (d < L.d)[None, :], other=0.0).to(tl.float32)
+                tl.store(_tl.row_ptr(cache_ptr, base, off, K0.off, K0.g, K0.cm)
+                         + (d[None, :] * L.bs if K0.cm else d[None, :]),
+                         _fp8_e4m3(x).to(tl.uint8), mask=h_ok[:, None] & (d < L.d)[None, :])
             elif KS > 1:
                 _encode_key_part(k_ptr, k_rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
-                                 tab_ptr, part, rb, ss_ptr, cnt_ptr, D, DP, HB, TF32X3, BS,
-                                 KN_OFF, K_CORR == 1, K0_OFF, K0_BITS, K0_W, K0_G, K0_CPW,
-                                 K0_START, K0_LUT, K0_BND, K0_CM, KS)
+                                 tab_ptr, part, rb, ss_ptr, cnt_ptr, L.d, L.dp, HB, TF32X3, L.bs,
+                                 L.kn_off, L.k_corr == 1, K0, KS)
             else:
                 _encode_unit(k_ptr, k_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
-                             D, DP, BK, HB, TF32X3, BS, KN_OFF, K_CORR == 1, K_NOUT, K_NOUTP,
-                             KOI_OFF, KOV_OFF, HAS_K1, K0_OFF, K0_BITS, K0_W, K0_G, K0_GP,
-                             K0_CPW, K0_START, K0_COUNT, K0_LUT, K0_BND, K0_CM, K1_OFF, K1_BITS,
-                             K1_W, K1_G, K1_GP, K1_CPW, K1_START, K1_COUNT, K1_LUT, K1_BND,
-                             K1_CM)
+                             L.d, L.dp, BK, HB, TF32X3, L.bs, L.kn_off, L.k_corr == 1, L.k_nout,
+                             L.k_noutp, L.koi_off, L.kov_off, L.has_k1, K0, K1)
         else:
-            if V_TQ:
+            if L.v_tq:
                 _encode_unit(v_ptr, v_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
-                             D, DP, BK, HB, TF32X3, BS, VN_OFF, V_CORR == 1, 0, 1, 0, 0, HAS_V1,
-                             V0_OFF, V0_BITS, V0_W, V0_G, V0_GP, V0_CPW, V0_START, V0_COUNT,
-                             V0_LUT, V0_BND, V0_CM, V1_OFF, V1_BITS, V1_W, V1_G, V1_GP, V1_CPW,
-                             V1_START, V1_COUNT, V1_LUT, V1_BND, V1_CM)
+                             L.d, L.dp, BK, HB, TF32X3, L.bs, L.vn_off, L.v_corr == 1, 0, 1, 0, 0,
+                             L.has_v1, V0, V1)
             else:
-                bad, v, m = _row_stats(v_ptr, v_rows, ld_ok, D, V0_GP * V0_CPW)
+                bad, v, m = _row_stats(v_ptr, v_rows, ld_ok, L.d, V0.gp * V0.cpw)
                 vmin = tl.min(tl.where(m, v, float("inf")), axis=1)
                 vmax = tl.max(tl.where(m, v, float("-inf")), axis=1)
-                levels = tl.full(vmax.shape, V_LEVELS, tl.float32)
+                levels = tl.full(vmax.shape, L.v_levels, tl.float32)
                 scale = tl.maximum(tl.math.div_rn(vmax - vmin, levels), 1e-8)
                 qv = tl.floor(tl.math.div_rn(v - vmin[:, None], scale[:, None]) + 0.5)
-                qv = tl.minimum(tl.maximum(qv, 0.0), V_LEVELS * 1.0).to(tl.int32)
-                _store_codes(qv, cache_ptr, base, off, h_ok, HB, BS, V0_OFF, V0_BITS, V0_W, V0_G,
-                             V0_GP, V0_CPW, V0_CM)
+                qv = tl.minimum(tl.maximum(qv, 0.0), L.v_levels * 1.0).to(tl.int32)
+                _store_codes(qv, cache_ptr, base, off, h_ok, HB, L.bs, V0.off, V0.bits, V0.w, V0.g,
+                             V0.gp, V0.cpw, V0.cm)
                 _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), scale), h_ok,
-                               VS_OFF)
-                _tl.store_fp16(cache_ptr, base, off, vmin, h_ok, VZ_OFF)
-        if PAD_N > 0:
-            tl.store(cache_ptr + base + PAD_OFF + off, tl.zeros([HB], tl.uint8),
+                               L.vs_off)
+                _tl.store_fp16(cache_ptr, base, off, vmin, h_ok, L.vz_off)
+        if L.pad_n > 0:
+            tl.store(cache_ptr + base + L.pad_off + off, tl.zeros([HB], tl.uint8),
                      mask=h_ok & is_key & (part == 0))
-    # the decode kernel (a programmatic dependent) may launch once every program got here:
-    # triggered at the start instead, its waiting programs took the SM slots its one-wave
-    # split count assumes (B = 128, 16K: +75 µs)
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
-ROWS_PER_PROGRAM = 16  # (token, KV head) rows; see the module docstring
+ROWS_PER_PROGRAM = 16  # (token, KV head) rows per program
 # decode-size steps (few rows: every program's latency chain is the kernel's time) load the
-# whole rotation at once with 8 warps: 10.8-11.7 µs vs 12.1-12.8 with 32-wide chunks and 4 warps
-# (H200, N = 8-128 tokens; bench/results/store_decode_s6_h200.json, store_decode_s6_2_h200.json)
+# whole rotation at once with 8 warps; larger steps rotate in 32-wide K chunks with 4 warps
 DECODE_ROWS, DECODE_BLOCK_K, DECODE_WARPS = 1024, 128, 8
+BLOCK_K, WARPS = 32, 4
 
 
 def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    rows_per_program: int | None = None,
-                    rotation_precision: str | None = None, block_k: int | None = None,
-                    num_warps: int | None = None, query: tuple | None = None,
-                    launch_dependents: bool = False, key_splits: int | None = None,
-                    _allow_empty: bool = False) -> None:
+                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place.
 
-    ``rows_per_program`` (a power of two >= 16) overrides ROWS_PER_PROGRAM; ``block_k`` (the
-    rotation's K chunk, a power of two >= 16) and ``num_warps`` are tuning knobs. ``query``
-    and ``launch_dependents``: see :func:`store_kv_and_rotate_query`. ``key_splits`` (1, 2, 4):
-    programs per key row block, each rotating and coding a part of its coordinates (a shorter
-    latency chain for decode-size steps; single-field keys without outliers, rotation in one
-    chunk; else 1); None: 2 while the launch's programs fit one wave on the device, else 1
-    (:func:`auto_key_splits`).
-    ``rotation_precision``: "tf32x3" (three TF32 tensor-core dots, the default on CUDA) or
-    "ieee" (fp32 FMA dots, the default elsewhere: the interpreter has no TF32).
+    The rotation runs as three TF32 tensor-core dots on CUDA ("tf32x3") and as IEEE fp32 dots
+    under the interpreter, which has no TF32.
     """
-    if rotation_precision is None:
-        rotation_precision = "tf32x3" if key.device.type == "cuda" else "ieee"
-    if rotation_precision not in ("tf32x3", "ieee"):
-        raise ValueError(f"rotation_precision={rotation_precision!r}; valid: 'tf32x3', 'ieee'")
     n, hk, d = key.shape
     if value.shape != key.shape or d != codec.head_dim or kv_cache.shape[1] != hk:
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit a cache "
                          f"of {kv_cache.shape[1]} KV heads at head size {codec.head_dim}")
-    if n == 0 and not _allow_empty:
+    if n == 0:
         return
     bs = cache_block_size(codec, kv_cache)
     spec = kernel_spec(codec, bs)
@@ -497,43 +435,31 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     if value.stride(-1) != 1:
         value = value.contiguous()
     rows = n * hk
-    hb = rows_per_program or ROWS_PER_PROGRAM
-    dp = spec.meta["DP"]
+    hb = ROWS_PER_PROGRAM
+    dp = spec.layout.dp
     small = rows <= DECODE_ROWS
-    bk = block_k or min(DECODE_BLOCK_K if small else 32, dp)
-    num_warps = num_warps or (DECODE_WARPS if small else 4)
-    if bk < 16 or bk & (bk - 1) or bk > dp:
-        raise ValueError(f"block_k={block_k}: a power of two in [16, {dp}]")
+    bk = min(DECODE_BLOCK_K if small else BLOCK_K, dp)
     n_kv = max(triton.cdiv(rows, hb), 1)
-    n_q = 0 if query is None else qrot.num_blocks(query[0].shape[0], d, qrot.FUSED_BLOCK)
-    if key_splits is None:
-        key_splits = auto_key_splits(n_kv, n_q, key.device)
-    if key_splits not in (1, 2, 4):
-        raise ValueError(f"key_splits={key_splits}: 1, 2 or 4")
-    m = spec.meta
-    g = m["K0_G"]
-    ks = key_splits if (m["K0_BITS"] > 0 and not m["K_FP8"] and m["K_NOUT"] == 0
-                        and not m["HAS_K1"] and bk == dp and g % key_splits == 0
+    m = spec.layout
+    g = spec.key_fields[0].g
+    key_splits = auto_key_splits(n_kv, key.device)
+    ks = key_splits if (spec.key_fields[0].bits > 0 and not m.k_fp8 and m.k_nout == 0
+                        and not m.has_k1 and bk == dp and g % key_splits == 0
                         and (g // key_splits) & (g // key_splits - 1) == 0) else 1
     ss_buf, cnt_buf = _split_scratch(key.device, rows if ks > 1 else 1, n_kv if ks > 1 else 1)
-    q_args = (key, 0, rot, key, 1.0) if query is None else query
-    _store_kernel[((ks + 1) * n_kv + n_q,)](
+    _store_kernel[((ks + 1) * n_kv,)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
-        rows, HK=hk, HB=hb, BK=bk, TF32X3=rotation_precision == "tf32x3", num_warps=num_warps,
-        **spec.meta, **dict(zip(("q_ptr", "NQ_ROWS", "qr_ptr", "qo_ptr", "q_scale"), q_args)),
-        HAS_Q=query is not None, LAUNCH_DEPENDENTS=launch_dependents, ss_ptr=ss_buf,
+        rows, HK=hk, HB=hb, BK=bk, TF32X3=not interpreted(key.device),
+        num_warps=DECODE_WARPS if small else WARPS, **spec.constexprs, ss_ptr=ss_buf,
         cnt_ptr=cnt_buf, KS=ks)
 
 
-def auto_key_splits(n_kv: int, n_q: int, device) -> int:
-    """Key splits for a launch of n_kv key and n_kv value row blocks plus n_q query blocks: the
-    most (4, else 2) whose programs (one 8-warp program per SM at decode sizes) still fit one
-    wave, else 1. H200, in-step store at 16K (bench/results/decode_tune_s11_had_h200_prelim.md):
-    B = 32 with the query blocks (112 programs at 2 splits) 5.5 → 4.3 µs with 2 splits, 4
-    splits (144 programs, a second wave) no better; B = 128 (448 programs) 12.8 → 13.4 µs."""
+def auto_key_splits(n_kv: int, device) -> int:
+    """Key splits for a launch of n_kv key and n_kv value row blocks: the most (4, else 2) whose
+    programs (one 8-warp program per SM at decode sizes) still fit one wave, else 1."""
     for ks in (4, 2):
-        if (ks + 1) * n_kv + n_q <= num_sms(device):
+        if (ks + 1) * n_kv <= num_sms(device):
             return ks
     return 1
 
@@ -553,19 +479,3 @@ def _split_scratch(device, rows: int, blocks: int) -> tuple[torch.Tensor, torch.
         bufs.append((torch.zeros(n, dtype=torch.float64, device=device),
                      torch.zeros(max(blocks, n // 16), dtype=torch.int32, device=device)))
     return bufs[-1]
-
-
-def store_kv_and_rotate_query(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
-                              kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                              q: torch.Tensor, r: torch.Tensor, scale: float,
-                              launch_dependents: bool = False,
-                              num_warps: int | None = None,
-                              key_splits: int | None = None) -> torch.Tensor:
-    """:func:`store_kv_triton` and :func:`tqattn.kernels.qrot.rotate_query` (q, r, scale) in
-    one launch: the decode step's prologue. Returns the rotated query."""
-    q2, out = qrot.check_and_alloc(q, r)
-    store_kv_triton(codec, key, value, kv_cache, slot_mapping,
-                    query=(q2, q2.shape[0], r, out, float(scale)), num_warps=num_warps,
-                    launch_dependents=launch_dependents, key_splits=key_splits,
-                    _allow_empty=True)
-    return out.view(q.shape)

@@ -1,13 +1,14 @@
 """Where a tensor-core decode call spends its time, per program: under
-``decode_mma.recording_timeline`` each program of kernels/decode_mma.py writes %globaltimer at
-its start, after its tiles, after the split counter's atomic and at its end, with its SM id and
-warp slot. Reports when programs finish their tiles (spread over the programs, and by warp
-slot: on sm_90 the first four programs an SM receives, one per scheduler, run ahead of the
-next four), and times each config of ``--configs`` (keyword arguments of
-``decode_attention_triton``) against the default in turns (CUDA-graph replays, L2 flushed).
+``bench/lab/decode_mma_timeline.recording_timeline`` each program of the tensor-core kernel
+(the product kernel plus timestamps) writes %globaltimer at its start, after its tiles, after
+the split counter's atomic and at its end, with its SM id and warp slot. Reports when programs
+finish their tiles (spread over the programs, and by warp slot: on sm_90 the first four
+programs an SM receives, one per scheduler, run ahead of the next four), and times each split
+count of ``--splits`` against the default in turns (CUDA-graph replays of the product build,
+L2 flushed).
 
-    PYTHONPATH=. python3 bench/decode_timeline.py --shapes 128x4096,32x16384,8x65536 \\
-        --configs '[{"num_splits": 8}]'
+    PYTHONPATH=. python3 bench/lab/decode_timeline.py --shapes 128x4096,32x16384,8x65536 \\
+        --splits 8,16
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.common import Timer, environment  # noqa: E402
 from bench.decode import main_shape_case  # noqa: E402
-from tqattn.kernels import decode_mma  # noqa: E402
+from bench.lab.decode_mma_timeline import recording_timeline  # noqa: E402
 from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
 
 
@@ -41,7 +42,7 @@ def timeline(call, flush, reps: int = 3) -> list[dict]:
         buf = torch.zeros(1 << 16, 8, dtype=torch.int64, device="cuda")
         flush()
         torch.cuda.synchronize()
-        with decode_mma.recording_timeline(buf):
+        with recording_timeline(buf):
             call()
         torch.cuda.synchronize()
         sel = buf[:, 0] > 0
@@ -68,9 +69,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="128x4096,32x16384,8x65536")
     ap.add_argument("--preset", default="turboquant_k3v4_nc")
-    ap.add_argument("--configs", type=json.loads, default=[],
-                    help="JSON list of decode_attention_triton keyword sets, each timed in "
-                         "turns with the default")
+    ap.add_argument("--splits", default="",
+                    help="comma-separated split counts, each timed in turns with the default")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="decode_timeline_h200")
     args = ap.parse_args()
@@ -83,13 +83,14 @@ def main() -> None:
         codec, q, cache, bt, lens = main_shape_case(args.preset, b, l)
         out = torch.empty_like(q)
 
-        def call(**kw):
-            decode_attention_triton(codec, q, cache, bt, lens, out=out, **kw)
+        def call(num_splits=None):
+            decode_attention_triton(codec, q, cache, bt, lens, out=out, num_splits=num_splits)
 
+        call()   # the product build's split count, before the timeline build runs
         row = {"batch": b, "ctx": l, "timeline": timeline(call, timer.flush), "paired": []}
-        for cfg in args.configs:
-            p = timer.paired_us(call, lambda cfg=cfg: call(**cfg))
-            row["paired"].append({"cfg": cfg, **p})
+        for n in (int(x) for x in args.splits.split(",") if x):
+            p = timer.paired_us(call, lambda n=n: call(n))
+            row["paired"].append({"num_splits": n, **p})
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)
         print(json.dumps({k: v for k, v in row["timeline"][1].items() if k != "raw"}),

@@ -2,9 +2,19 @@
 
 Each step fills a token budget in this order: one token for every running sequence that is
 generating (decodes), the next chunk of running sequences still prefilling, then new requests
-from the waiting queue (first come, first served). When a running sequence needs a block and
-none is free, the most recently arrived running sequence is preempted: its blocks are freed and it
-goes to the front of the waiting queue, to recompute prompt + output when readmitted.
+from the waiting queue (first come, first served).
+
+Admission reserves room for growth, so that little prefill is computed twice. A waiting request
+is admitted only if the free blocks cover, besides its own prompt, every block the running set
+and it can still take: the rest of their prompts and their output up to max_tokens. Output growth
+is a bound, not a certainty (a request may stop early), so its part of the reserve is capped at
+half the cache; a full reserve of long max_tokens would otherwise leave most of the cache idle.
+(A fixed watermark of free blocks, as in vLLM's v0 block manager, does not scale with the output
+the running set will produce: a cache-bound batch then admits prompts that are preempted later,
+each losing its whole prefill.) When a running sequence still needs a block and none is free, the
+running sequence with the least computed work is preempted (latest arrival among equals): its
+blocks are freed and it goes to the front of the waiting queue, to recompute prompt + output when
+readmitted. ``stats`` counts preemptions and the tokens whose K/V were computed again.
 
 The sampling params object is opaque; these attributes are read when present:
 max_tokens (None: up to max_model_len), ignore_eos, stop_token_ids, min_tokens.
@@ -38,6 +48,18 @@ class ScheduledSeq:
 
 
 @dataclass
+class SchedulerStats:
+    """Counters since the scheduler was created (or ``stats`` was replaced by a fresh one)."""
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # tokens whose K/V had been computed before and were computed again
+    num_computed_tokens: int = 0  # all tokens run through the model, recomputed ones included
+    max_num_running: int = 0  # peak concurrent sequences
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefills
     preempted: list[Sequence] = field(default_factory=list)  # lost their KV this step
@@ -68,6 +90,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[Hashable, Sequence] = {}  # unfinished ones
+        self.stats = SchedulerStats()
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
@@ -129,7 +152,8 @@ class Scheduler:
             is_decode = self._is_decode(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.can_allocate(seq, n):
-                victim = max(self.running, key=lambda s: s.arrival)
+                # The cheapest to redo; among equals the latest arrival (it has waited least).
+                victim = min(self.running, key=lambda s: (s.num_computed_tokens, -s.arrival))
                 budget += self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -146,6 +170,8 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not cfg.enable_chunked_prefill:
                 break
+            if self.running and not self._fits_with_reserve(seq, n, cached):
+                break
             if not bm.allocate_slots(seq, n, cached):
                 if not self.running:  # add() rules this out; never spin on an empty batch
                     raise RuntimeError(f"seq {seq.seq_id!r} cannot get {_cdiv(seq.num_tokens, cfg.block_size)} "
@@ -157,7 +183,27 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, False, cached))
             budget -= n
+        self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
         return out
+
+    def _max_kv_blocks(self, seq: Sequence) -> int:
+        # The last sampled token is never fed back.
+        return _cdiv(seq.num_prompt_tokens + seq.max_tokens - 1, self.config.block_size)
+
+    def _fits_with_reserve(self, seq: Sequence, num_new_tokens: int, num_cached_tokens: int) -> bool:
+        """Whether admitting seq now leaves the free blocks the running set and seq can still take."""
+        bs = self.config.block_size
+        rest = growth = 0  # blocks for tokens that exist (prompt / recomputed output), for future output
+        for r in self.running:
+            held, have = len(r.block_table), _cdiv(r.num_tokens, bs)
+            rest += max(0, have - held)
+            growth += max(0, self._max_kv_blocks(r) - max(held, have))
+        have = _cdiv(seq.num_tokens, bs)
+        rest += have - _cdiv(num_cached_tokens + num_new_tokens, bs)
+        growth += self._max_kv_blocks(seq) - have
+        reserve = rest + min(growth, min(self.block_manager.num_blocks) // 2)
+        taken = self.block_manager.num_blocks_to_take(seq, num_new_tokens, num_cached_tokens)
+        return all(t + reserve <= self.block_manager.num_free_blocks(g) for g, t in enumerate(taken))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Send a running seq back to the front of the waiting queue; return the budget it held."""
@@ -171,6 +217,7 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         return refund
@@ -185,7 +232,11 @@ class Scheduler:
                 continue
             if seq.num_computed_tokens != s.num_computed_tokens:
                 raise RuntimeError(f"seq {seq.seq_id!r} was already updated for this scheduler output")
-            seq.num_computed_tokens += s.num_scheduled_tokens
+            end = s.num_computed_tokens + s.num_scheduled_tokens
+            self.stats.num_computed_tokens += s.num_scheduled_tokens
+            self.stats.num_recomputed_tokens += max(0, min(end, seq.max_num_computed_tokens) - s.num_computed_tokens)
+            seq.max_num_computed_tokens = max(seq.max_num_computed_tokens, end)
+            seq.num_computed_tokens = end
             self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:  # mid-prompt chunk: nothing sampled
                 continue

@@ -174,6 +174,10 @@ class BlockManager:
         the caller then sets seq.num_computed_tokens to it. Returns False, changing nothing, when
         some group lacks free blocks.
         """
+        total = seq.num_computed_tokens + num_new_tokens
+        if (not num_cached_tokens and seq.block_tables and total <= len(seq.block_tables[0]) * self.block_size
+                and total <= seq.num_tokens):  # fast path (most decodes): the tables cover it already
+            return True
         hits, num_new_blocks = self._plan(seq, num_new_tokens, num_cached_tokens)
         if not self._fits(hits, num_new_blocks):
             return False

@@ -142,27 +142,28 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
 
         # Running sequences: decodes, then continuing prefills.
-        order = ([s for s in self.running if self._is_decode(s)]
-                 + [s for s in self.running if not self._is_decode(s)])
-        for seq in order:
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            is_decode = self._is_decode(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not bm.can_allocate(seq, n):
-                # The cheapest to redo; among equals the latest arrival (it has waited least).
-                victim = min(self.running, key=lambda s: (s.num_computed_tokens, -s.arrival))
-                budget += self._preempt(victim, out)
-                if victim is seq:
+        decodes, prefills = [], []
+        for s in self.running:
+            (decodes if self._is_decode(s) else prefills).append(s)
+        for is_decode, seqs in ((True, decodes), (False, prefills)):
+            for seq in seqs:
+                if budget == 0:
                     break
-            else:
-                bm.allocate_slots(seq, n)
-                out.scheduled.append(ScheduledSeq(seq, n, is_decode, seq.num_computed_tokens))
-                budget -= n
+                if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                    continue
+                n = 1 if is_decode else min(seq.num_uncomputed_tokens, budget)
+                while not bm.allocate_slots(seq, n):
+                    # The cheapest to redo; among equals the latest arrival (it has waited least).
+                    victim = min(self.running, key=lambda s: (s.num_computed_tokens, -s.arrival))
+                    budget += self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                else:
+                    out.scheduled.append(ScheduledSeq(seq, n, is_decode, seq.num_computed_tokens))
+                    budget -= n
 
         # Waiting sequences, FCFS; none right after a preemption, which would only thrash.
+        reserve = None  # [rest, growth] blocks of the running set, summed at the first admission check
         while self.waiting and budget and len(self.running) < cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             cached = bm.get_computed_blocks(seq)
@@ -170,8 +171,13 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not cfg.enable_chunked_prefill:
                 break
-            if self.running and not self._fits_with_reserve(seq, n, cached):
-                break
+            own = None
+            if self.running:
+                if reserve is None:
+                    reserve = [sum(x) for x in zip((0, 0), *map(self._reserve_of, self.running))]
+                own = self._reserve_of(seq, cached + n)
+                if not self._fits_with_reserve(seq, n, cached, reserve, own):
+                    break
             if not bm.allocate_slots(seq, n, cached):
                 if not self.running:  # add() rules this out; never spin on an empty batch
                     raise RuntimeError(f"seq {seq.seq_id!r} cannot get {_cdiv(seq.num_tokens, cfg.block_size)} "
@@ -183,27 +189,27 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, False, cached))
             budget -= n
+            if reserve is not None and own is not None:
+                reserve = [reserve[0] + own[0], reserve[1] + own[1]]
         self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
         return out
 
-    def _max_kv_blocks(self, seq: Sequence) -> int:
-        # The last sampled token is never fed back.
-        return _cdiv(seq.num_prompt_tokens + seq.max_tokens - 1, self.config.block_size)
-
-    def _fits_with_reserve(self, seq: Sequence, num_new_tokens: int, num_cached_tokens: int) -> bool:
-        """Whether admitting seq now leaves the free blocks the running set and seq can still take."""
+    def _reserve_of(self, seq: Sequence, num_allocated_tokens: int | None = None) -> tuple[int, int]:
+        """(rest, growth): blocks seq can still take for tokens it has (prompt, output to
+        recompute) and for output still to come (up to max_tokens; the last sampled token is never
+        fed back). num_allocated_tokens: what its tables will cover (default: what they do)."""
         bs = self.config.block_size
-        rest = growth = 0  # blocks for tokens that exist (prompt / recomputed output), for future output
-        for r in self.running:
-            held, have = len(r.block_table), _cdiv(r.num_tokens, bs)
-            rest += max(0, have - held)
-            growth += max(0, self._max_kv_blocks(r) - max(held, have))
+        held = len(seq.block_table) if num_allocated_tokens is None else _cdiv(num_allocated_tokens, bs)
         have = _cdiv(seq.num_tokens, bs)
-        rest += have - _cdiv(num_cached_tokens + num_new_tokens, bs)
-        growth += self._max_kv_blocks(seq) - have
-        reserve = rest + min(growth, min(self.block_manager.num_blocks) // 2)
-        taken = self.block_manager.num_blocks_to_take(seq, num_new_tokens, num_cached_tokens)
-        return all(t + reserve <= self.block_manager.num_free_blocks(g) for g, t in enumerate(taken))
+        return max(0, have - held), max(0, _cdiv(seq.num_prompt_tokens + seq.max_tokens - 1, bs) - max(held, have))
+
+    def _fits_with_reserve(self, seq: Sequence, num_new_tokens: int, num_cached_tokens: int,
+                           running: list[int], own: tuple[int, int]) -> bool:
+        """Whether admitting seq now leaves free the blocks the running set and seq can still take."""
+        bm = self.block_manager
+        reserve = running[0] + own[0] + min(running[1] + own[1], min(bm.num_blocks) // 2)
+        taken = bm.num_blocks_to_take(seq, num_new_tokens, num_cached_tokens)
+        return all(t + reserve <= bm.num_free_blocks(g) for g, t in enumerate(taken))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Send a running seq back to the front of the waiting queue; return the budget it held."""

@@ -172,7 +172,9 @@ class InputBatch:
             self._copied.synchronize()
             self._pending = False
 
-    def _copies_issued(self) -> None:
+    def copies_issued(self) -> None:
+        """Mark the buffers as in flight until the device has run what is queued now; call it
+        again after anything else (a metadata builder) copied from the host buffers."""
         if self._copied is not None:
             self._copied.record()
             self._pending = True
@@ -231,7 +233,7 @@ class InputBatch:
             num_reqs=n, num_tokens=num_tokens, max_query_len=int(q_lens.max()), max_seq_len=max_seq_len,
             num_decodes=num_decodes,
             sample_idx=[int(qsl[i + 1]) - 1 for i, s in enumerate(scheduled) if s.samples])
-        self._copies_issued()
+        self.copies_issued()
         return out
 
     def _gather(self, g: int, rows: np.ndarray, width: int, out: np.ndarray) -> None:
@@ -270,4 +272,4 @@ class InputBatch:
             static["block_tables"][g][:bucket, :width].copy_(table.cpu(bucket * width).view(bucket, width),
                                                             non_blocking=True)
             static["slot_mappings"][g][:bucket].copy_(slots.cpu(bucket), non_blocking=True)
-        self._copies_issued()
+        self.copies_issued()

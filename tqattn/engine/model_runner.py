@@ -84,6 +84,7 @@ class ModelRunner:
         metadata = [builder.build(CommonAttentionMetadata(block_table=x.block_tables[g],
                                                           slot_mapping=x.slot_mappings[g], **shared))
                     for g, builder in enumerate(self.builders)]
+        self.input_batch.copies_issued()  # the builders may have copied from the host buffers too
         return x.input_ids, x.positions, metadata, x.sample_idx
 
     # ---- step ------------------------------------------------------------------------------------

@@ -232,19 +232,26 @@ class Scheduler:
                            sampled_token_ids: dict[Hashable, int | None]) -> list[Sequence]:
         """Advance the scheduled sequences after the model ran; return those that finished."""
         finished = []
+        computed = recomputed = 0
+        prefix_caching = self.block_manager.enable_prefix_caching
         for s in scheduler_output.scheduled:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:  # finished/aborted since schedule()
                 continue
-            if seq.num_computed_tokens != s.num_computed_tokens:
+            start = s.num_computed_tokens
+            if seq.num_computed_tokens != start:
                 raise RuntimeError(f"seq {seq.seq_id!r} was already updated for this scheduler output")
-            end = s.num_computed_tokens + s.num_scheduled_tokens
-            self.stats.num_computed_tokens += s.num_scheduled_tokens
-            self.stats.num_recomputed_tokens += max(0, min(end, seq.max_num_computed_tokens) - s.num_computed_tokens)
-            seq.max_num_computed_tokens = max(seq.max_num_computed_tokens, end)
+            end = start + s.num_scheduled_tokens
+            computed += s.num_scheduled_tokens
+            high = seq.max_num_computed_tokens
+            if high > start:  # K/V below the high-water mark were computed before
+                recomputed += min(end, high) - start
+            if end > high:
+                seq.max_num_computed_tokens = end
             seq.num_computed_tokens = end
-            self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:  # mid-prompt chunk: nothing sampled
+            if prefix_caching:
+                self.block_manager.cache_full_blocks(seq)
+            if end < seq.num_tokens:  # mid-prompt chunk: nothing sampled
                 continue
             token = sampled_token_ids.get(seq.seq_id)
             if token is None:
@@ -254,6 +261,8 @@ class Scheduler:
             if status is not None:
                 self._finish(seq, status)
                 finished.append(seq)
+        self.stats.num_computed_tokens += computed
+        self.stats.num_recomputed_tokens += recomputed
         return finished
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:

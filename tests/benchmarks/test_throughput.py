@@ -11,23 +11,20 @@ from tqattn.benchmarks import report
 from tqattn.engine.outputs import StepRecord
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def test_throughput_end_to_end(tmp_path, capsys, one_thread):
+def test_throughput_end_to_end(tmp_path, capsys):
     pytest.importorskip("transformers")
     from tqattn.cli import main
 
     n, n_in, n_out, dtypes = 5, 24, 4, ["auto", "turboquant_k3v4_nc"]
-    rc = main(["bench", "throughput", "--workload", "chat", "--model", "llama-tiny", "--num-prompts", str(n),
-               "--input-len", str(n_in), "--output-len", str(n_out), "--kv-cache-dtypes", ",".join(dtypes),
-               "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--device", "cpu",
-               "--out-dir", str(tmp_path)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is faster, above all on shared cores
+    try:
+        rc = main(["bench", "throughput", "--workload", "chat", "--model", "llama-tiny", "--num-prompts", str(n),
+                   "--input-len", str(n_in), "--output-len", str(n_out), "--kv-cache-dtypes", ",".join(dtypes),
+                   "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--device", "cpu",
+                   "--out-dir", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
     assert rc == 0
     res = json.loads((tmp_path / "throughput_chat.json").read_text())
     assert res["workload"] == {**res["workload"], "name": "chat", "num_prompts": n, "input_len": n_in,

@@ -9,6 +9,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from tqattn.evals.cli import _positive
+
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from .throughput import WORKLOADS
@@ -104,16 +106,6 @@ def cmd_throughput(args) -> int:
     print(report.format_table(result))
     print(f"wrote {out / stem}.json, .md" + (f", {stem}_steps.png" if plotted else ""))
     return 0
-
-
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def _str_list(s: str) -> list[str]:

@@ -124,9 +124,20 @@ def run_dtype(model: str, kv_cache_dtype: str, workload: Workload, engine_kwargs
         return result
     finally:
         del llm, engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _release_memory()
+
+
+def _release_memory() -> None:
+    """Free the engine's device memory before the next dtype's engine sizes its cache."""
+    gc.collect()
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated()
+    if left > GiB:  # the next engine's gpu_memory_utilization sizing would see it as in use
+        logger.warning("%.2f GiB of CUDA memory still allocated after releasing the engine; the next "
+                       "engine's KV cache is sized around it (run one dtype per process to avoid it)",
+                       left / GiB)
 
 
 def run_throughput(model: str, kv_cache_dtypes: list[str], workload: Workload, engine_kwargs: dict, *,

@@ -96,7 +96,7 @@ class InputBatch:
         # Persistent rows: rows[g][r, :written[r]] are the first block ids of owner[r] in group g.
         self.rows = [np.zeros((0, 0), dtype=np.int32) for _ in range(num_groups)]
         self.owner: list = []
-        self.owner_key: list = []  # (num_preemptions, id of the group-0 block table list)
+        self.owner_key: list = []  # (num_preemptions, the group-0 block table list) the row was written from
         self.written = np.zeros(0, dtype=np.int64)
         self.row_of: dict[int, int] = {}  # id(seq) -> row
         self.free_rows: list[int] = []
@@ -147,10 +147,11 @@ class InputBatch:
         if r is None:
             r = self._take_row(seq, scheduled)
         tables = seq.block_tables
-        key = (seq.num_preemptions, id(tables[0]))
-        n, done = len(tables[0]), self.written[r]
-        if self.owner_key[r] != key or n < done:  # new, preempted, or not the tables it had
-            self.owner_key[r], done = key, 0
+        n, done, key = len(tables[0]), self.written[r], self.owner_key[r]
+        # New, preempted, or not the tables it had (the list itself is kept: its id stays unique).
+        if key is None or key[0] != seq.num_preemptions or key[1] is not tables[0] or n < done:
+            self.owner_key[r], done = (seq.num_preemptions, tables[0]), 0
+            self.written[r] = 0
             for rows in self.rows:
                 rows[r] = 0
         if n > done:

@@ -384,3 +384,18 @@ def test_random_pressure_finishes_everything(prefix_caching, seed):
     else:
         assert stats.num_computed_tokens == kv_tokens + stats.num_recomputed_tokens
     assert 1 <= stats.max_num_running <= sched.config.max_num_seqs
+
+
+def test_reserve_is_exact_for_length_bound_requests_and_capped_otherwise():
+    """A request that only the length can end reserves its whole max_tokens; one that may stop
+    early reserves at most half the cache in all, so long max_tokens do not serialize the batch."""
+    def peak(params, eos_rng=None):
+        sched = make(num_blocks=40, block_size=4, eos=(1,), max_model_len=160, max_num_seqs=16,
+                     max_num_batched_tokens=64, enable_prefix_caching=False)
+        run_fake(sched, [Sequence([5] * 10, params) for _ in range(12)], eos_rng=eos_rng)
+        return sched.stats
+
+    sure = peak(SP(max_tokens=140, ignore_eos=True))  # 38 of the 40 blocks each
+    assert sure.max_num_running == 1 and sure.num_preemptions == 0
+    may_stop = peak(SP(max_tokens=140), eos_rng=random.Random(0))
+    assert may_stop.max_num_running >= 4

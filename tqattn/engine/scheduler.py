@@ -6,9 +6,11 @@ from the waiting queue (first come, first served).
 
 Admission reserves room for growth, so that little prefill is computed twice. A waiting request
 is admitted only if the free blocks cover, besides its own prompt, every block the running set
-and it can still take: the rest of their prompts and their output up to max_tokens. Output growth
-is a bound, not a certainty (a request may stop early), so its part of the reserve is capped at
-half the cache; a full reserve of long max_tokens would otherwise leave most of the cache idle.
+and it can still take: the rest of their prompts and their output up to max_tokens. A request
+that can only end by length (ignore_eos, no stop tokens or strings) will take all of it; for the
+others max_tokens is a bound, not a certainty (they may stop early), so their part of the
+reserve is capped at half the cache — reserving long max_tokens in full would leave most of the
+cache idle.
 (A fixed watermark of free blocks, as in vLLM's v0 block manager, does not scale with the output
 the running set will produce: a cache-bound batch then admits prompts that are preempted later,
 each losing its whole prefill.) When a running sequence still needs a block and none is free, the
@@ -163,7 +165,7 @@ class Scheduler:
                     budget -= n
 
         # Waiting sequences, FCFS; none right after a preemption, which would only thrash.
-        reserve = None  # [rest, growth] blocks of the running set, summed at the first admission check
+        reserve = None  # _reserve_of summed over the running set, at the first admission check
         while self.waiting and budget and len(self.running) < cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             cached = bm.get_computed_blocks(seq)
@@ -174,7 +176,7 @@ class Scheduler:
             own = None
             if self.running:
                 if reserve is None:
-                    reserve = [sum(x) for x in zip((0, 0), *map(self._reserve_of, self.running))]
+                    reserve = [sum(x) for x in zip((0, 0, 0), *map(self._reserve_of, self.running))]
                 own = self._reserve_of(seq, cached + n)
                 if not self._fits_with_reserve(seq, n, cached, reserve, own):
                     break
@@ -190,24 +192,30 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n, False, cached))
             budget -= n
             if reserve is not None and own is not None:
-                reserve = [reserve[0] + own[0], reserve[1] + own[1]]
+                reserve = [a + b for a, b in zip(reserve, own)]
         self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
         return out
 
-    def _reserve_of(self, seq: Sequence, num_allocated_tokens: int | None = None) -> tuple[int, int]:
-        """(rest, growth): blocks seq can still take for tokens it has (prompt, output to
-        recompute) and for output still to come (up to max_tokens; the last sampled token is never
-        fed back). num_allocated_tokens: what its tables will cover (default: what they do)."""
+    def _reserve_of(self, seq: Sequence, num_allocated_tokens: int | None = None) -> tuple[int, int, int]:
+        """(rest, sure growth, possible growth): blocks seq can still take for tokens it has (prompt,
+        output to recompute), and for output still to come up to max_tokens (the last sampled
+        token is never fed back) — sure when only the length can end it. num_allocated_tokens:
+        what its tables will cover (default: what they do)."""
         bs = self.config.block_size
         held = len(seq.block_table) if num_allocated_tokens is None else _cdiv(num_allocated_tokens, bs)
         have = _cdiv(seq.num_tokens, bs)
-        return max(0, have - held), max(0, _cdiv(seq.num_prompt_tokens + seq.max_tokens - 1, bs) - max(held, have))
+        growth = max(0, _cdiv(seq.num_prompt_tokens + seq.max_tokens - 1, bs) - max(held, have))
+        sp = seq.sampling_params
+        sure = (getattr(sp, "ignore_eos", False) and not getattr(sp, "stop_token_ids", None)
+                and not getattr(sp, "stop", None))
+        return max(0, have - held), growth if sure else 0, 0 if sure else growth
 
     def _fits_with_reserve(self, seq: Sequence, num_new_tokens: int, num_cached_tokens: int,
-                           running: list[int], own: tuple[int, int]) -> bool:
+                           running: list[int], own: tuple[int, int, int]) -> bool:
         """Whether admitting seq now leaves free the blocks the running set and seq can still take."""
         bm = self.block_manager
-        reserve = running[0] + own[0] + min(running[1] + own[1], min(bm.num_blocks) // 2)
+        reserve = (running[0] + own[0] + running[1] + own[1]
+                   + min(running[2] + own[2], min(bm.num_blocks) // 2))
         taken = bm.num_blocks_to_take(seq, num_new_tokens, num_cached_tokens)
         return all(t + reserve <= bm.num_free_blocks(g) for g, t in enumerate(taken))
 

@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .evals.cli import add_eval_parser
 
     add_eval_parser(sub)
+    from .benchmarks.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return ap
 
 

@@ -62,6 +62,12 @@ class _State:
     def length(self, layer=0) -> int:
         return sum(x.shape[0] for x in self.k[layer])
 
+    def truncate(self, n):
+        """Keep the first n positions (a preempted request resuming from its own cached blocks)."""
+        for hist in (self.k, self.v):
+            for i in list(hist):
+                hist[i] = [torch.cat(hist[i])[:n]]
+
     def stored(self, layer, k, v):
         preset = self.kv_dtypes[layer]
         if preset == "auto":
@@ -123,9 +129,8 @@ class ChunkedReference:
                 n = len(tokens) - start
             else:
                 start, n = chunks.pop(0)
-            if start < st.length():  # preempted: recomputed from scratch
-                assert start == 0, (start, st.length())
-                st = _State(self.kv_dtypes)
+            if start < st.length():  # preempted: recomputed from start (0, or its own cached blocks)
+                st.truncate(start)
             if start > st.length():  # a prefix-cache hit: the donor prefilled it in one chunk
                 self._run_chunk(st, tokens[st.length():start], st.length())
             tok = self._run_chunk(st, tokens[start:start + n], start)

@@ -145,10 +145,19 @@ def test_chunked_prefill_disabled():
     assert all(len(o) == 8 for o in outs.values())
 
 
+@pytest.fixture(params=["reserve", "greedy"])
+def admission(request, monkeypatch):
+    """The scheduler's admission, or greedy admission (no reserve for growth), which preempts
+    far more: the preemption paths run in both."""
+    if request.param == "greedy":
+        monkeypatch.setattr(Scheduler, "_fits_with_reserve", lambda *a: True)
+    return request.param
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("num_blocks", [14, [14, 23]])
-def test_preemption_matches_huge_pool(prefix_caching, chunked, num_blocks):
+def test_preemption_matches_huge_pool(prefix_caching, chunked, num_blocks, admission):
     rng = random.Random(1)
     shared = [rng.randrange(VOCAB) for _ in range(24)]
     prompts = random_prompts(rng, 20, 3, 20, shared=shared)
@@ -157,8 +166,11 @@ def test_preemption_matches_huge_pool(prefix_caching, chunked, num_blocks):
               enable_prefix_caching=prefix_caching)
     huge = 4096 if isinstance(num_blocks, int) else [4096] * len(num_blocks)  # same groups: same fake K/V
     ref, _ = run_all(make(num_blocks=huge, **kw), prompts, params, check=check_step)
-    outs, seqs = run_all(make(num_blocks=num_blocks, eos=(1, 2, 3), **kw), prompts, params, check=check_step)
-    assert sum(s.num_preemptions for s in seqs) > 0
+    sched = make(num_blocks=num_blocks, eos=(1, 2, 3), **kw)
+    outs, seqs = run_all(sched, prompts, params, check=check_step)
+    if admission == "greedy":
+        assert sum(s.num_preemptions for s in seqs) > 0
+    assert sched.stats.num_preemptions == sum(s.num_preemptions for s in seqs)
     assert outs == ref
     assert all(len(o) == 12 for o in outs.values())
     assert all(s.status is SequenceStatus.FINISHED_LENGTH for s in seqs)
@@ -273,9 +285,11 @@ def test_config_validation():
     assert SchedulerConfig(max_model_len=8192).max_num_batched_tokens >= 2048
 
 
-def test_preempted_victim_already_scheduled_this_step():
-    # arrival is construction order: b arrived first, so a is the one preempted, even though
-    # a's decode was already scheduled in this step (its budget and blocks are handed back).
+def test_preempted_victim_already_scheduled_this_step(monkeypatch):
+    # Greedy admission, so that both run. a has less computed work than b, so a is the one
+    # preempted, even though a's decode was already scheduled in this step (its budget and
+    # blocks are handed back).
+    monkeypatch.setattr(Scheduler, "_fits_with_reserve", lambda *a: True)
     b = Sequence(range(8), SP(max_tokens=4), seq_id="b")
     a = Sequence(range(100, 106), SP(max_tokens=4), seq_id="a")
     sched = make(num_blocks=4)
@@ -295,3 +309,93 @@ def test_preempted_victim_already_scheduled_this_step():
         sched.update_from_output(out, model.step(out))
     ref, _ = run_all(make(num_blocks=64), [list(range(100, 106)), list(range(8))], SP(max_tokens=4))
     assert [a.output_token_ids, b.output_token_ids] == [ref[0], ref[1]]
+
+
+def run_fake(sched, seqs, eos_rng=None, max_steps=100_000):
+    """Step a workload without a model: every chunk that reaches its end samples token 0 (or,
+    with eos_rng, an eos token now and then); return the number of steps."""
+    for s in seqs:
+        sched.add(s)
+    steps = 0
+    while sched.has_unfinished():
+        steps += 1
+        assert steps <= max_steps, "no progress"
+        out = sched.schedule()
+        assert not out.is_empty, "an idle step with work left: deadlock"
+        check_step(sched, out)
+        sampled = {s.seq.seq_id: (1 if eos_rng and eos_rng.random() < 0.02 else 0)
+                   for s in out.scheduled if s.samples}
+        sched.update_from_output(out, sampled)
+    bm = sched.block_manager
+    bm.check_invariants([])
+    assert all(bm.num_free_blocks(g) == n for g, n in enumerate(bm.num_blocks)), "leaked blocks"
+    assert all(s.is_finished for s in seqs)
+    return steps
+
+
+# Qwen3-4B's 8 GiB cache holds 58K bf16 tokens and 4.34x that with turboquant_k3v4_nc: this
+# many 9K-token sequences.
+@pytest.mark.parametrize("seqs_in_cache", [27.4, 6.47])
+def test_cache_bound_workload_recomputes_little(seqs_in_cache):
+    """64 x 8K in / 1K out with a cache of ~27 (or ~6) such sequences and 8K-token steps,
+    scaled down 8x (block size 16): all finish, and at most 10 % of the prompt tokens are
+    computed twice. Greedy admission recomputes more than that on the same workload."""
+    prompt_len, out_len, block_size = 1024, 128, 16
+    num_blocks = int(seqs_in_cache * (prompt_len + out_len) / block_size)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB) for _ in range(prompt_len)] for _ in range(64)]
+
+    def run():
+        sched = make(num_blocks=num_blocks, block_size=block_size, max_model_len=prompt_len + out_len,
+                     max_num_seqs=64, max_num_batched_tokens=prompt_len, enable_prefix_caching=False)
+        run_fake(sched, [Sequence(p, SP(max_tokens=out_len, ignore_eos=True)) for p in prompts])
+        return sched.stats
+
+    stats = run()
+    assert stats.num_recomputed_tokens <= 0.10 * 64 * prompt_len
+    assert stats.num_computed_tokens == 64 * (prompt_len + out_len - 1) + stats.num_recomputed_tokens
+    assert stats.max_num_running >= int(seqs_in_cache)  # the reserve still fills the cache
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Scheduler, "_fits_with_reserve", lambda *a: True)
+        greedy = run()
+    assert greedy.num_recomputed_tokens > 0.10 * 64 * prompt_len
+    assert greedy.num_preemptions > stats.num_preemptions
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_random_pressure_finishes_everything(prefix_caching, seed):
+    """Random prompt and output lengths, early eos stops, a cache of a few sequences, one or
+    two groups: nothing deadlocks, every request finishes, every block comes back, and the
+    stats add up (without prefix caching every token is computed once plus the recomputed)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(VOCAB) for _ in range(30)]
+    prompts = random_prompts(rng, 40, 1, 90, shared=shared if prefix_caching else None)
+    seqs = [Sequence(p, SP(max_tokens=rng.randint(1, 40))) for p in prompts]
+    sched = make(num_blocks=rng.choice([40, [40, 55]]), block_size=4, eos=(1,), max_model_len=160,
+                 max_num_seqs=rng.choice([4, 16]), max_num_batched_tokens=rng.choice([16, 64]),
+                 enable_prefix_caching=prefix_caching)
+    run_fake(sched, seqs, eos_rng=rng)
+    stats = sched.stats
+    assert sum(s.num_preemptions for s in seqs) == stats.num_preemptions
+    kv_tokens = sum(s.num_tokens - 1 for s in seqs)
+    if prefix_caching:
+        assert stats.num_computed_tokens <= kv_tokens + stats.num_recomputed_tokens
+    else:
+        assert stats.num_computed_tokens == kv_tokens + stats.num_recomputed_tokens
+    assert 1 <= stats.max_num_running <= sched.config.max_num_seqs
+
+
+def test_reserve_is_exact_for_length_bound_requests_and_capped_otherwise():
+    """A request that only the length can end reserves its whole max_tokens; one that may stop
+    early reserves at most half the cache in all, so long max_tokens do not serialize the batch."""
+    def peak(params, eos_rng=None):
+        sched = make(num_blocks=40, block_size=4, eos=(1,), max_model_len=160, max_num_seqs=16,
+                     max_num_batched_tokens=64, enable_prefix_caching=False)
+        run_fake(sched, [Sequence([5] * 10, params) for _ in range(12)], eos_rng=eos_rng)
+        return sched.stats
+
+    sure = peak(SP(max_tokens=140, ignore_eos=True))  # 38 of the 40 blocks each
+    assert sure.max_num_running == 1 and sure.num_preemptions == 0
+    may_stop = peak(SP(max_tokens=140), eos_rng=random.Random(0))
+    assert may_stop.max_num_running >= 4

@@ -153,13 +153,19 @@ class BlockManager:
                 raise ValueError(f"num_cached_tokens={num_cached_tokens} is not a prefix-cache hit; use get_computed_blocks()") from None
         return hits, max(0, _cdiv(total, bs) - held - len(hits[0]))
 
-    def _fits(self, hits, num_new_blocks) -> bool:
+    def _taken(self, hits, num_new_blocks) -> list[int]:
         # A hit on a block with ref 0 takes it out of the free queue too.
-        return all(num_new_blocks + sum(p.ref[b] == 0 for b in hit) <= len(p.free)
-                   for p, hit in zip(self.pools, hits))
+        return [num_new_blocks + sum(p.ref[b] == 0 for b in hit) for p, hit in zip(self.pools, hits)]
+
+    def _fits(self, hits, num_new_blocks) -> bool:
+        return all(n <= len(p.free) for p, n in zip(self.pools, self._taken(hits, num_new_blocks)))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
         return self._fits(*self._plan(seq, num_new_tokens, num_cached_tokens))
+
+    def num_blocks_to_take(self, seq: Sequence, num_new_tokens: int, num_cached_tokens: int = 0) -> list[int]:
+        """Per group, how many blocks allocate_slots with these arguments would take from the free queue."""
+        return self._taken(*self._plan(seq, num_new_tokens, num_cached_tokens))
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, num_cached_tokens: int = 0) -> bool:
         """Make seq's block tables cover num_computed_tokens + num_cached_tokens + num_new_tokens.
@@ -168,6 +174,10 @@ class BlockManager:
         the caller then sets seq.num_computed_tokens to it. Returns False, changing nothing, when
         some group lacks free blocks.
         """
+        total = seq.num_computed_tokens + num_new_tokens
+        if (not num_cached_tokens and seq.block_tables and total <= len(seq.block_tables[0]) * self.block_size
+                and total <= seq.num_tokens):  # fast path (most decodes): the tables cover it already
+            return True
         hits, num_new_blocks = self._plan(seq, num_new_tokens, num_cached_tokens)
         if not self._fits(hits, num_new_blocks):
             return False

@@ -21,9 +21,9 @@ from .block_manager import BlockManager
 from .config import SchedulerConfig
 from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks, kv_cache_groups
 from .model_runner import ModelRunner
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput, StepRecord
 from .sampling import SamplingParams, make_generator
-from .scheduler import ScheduledSeq, Scheduler
+from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import Sequence, SequenceStatus
 from .warmup import run_warmup, warmup_steps
 
@@ -160,6 +160,7 @@ class LLMEngine:
                                           args.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self._eos_token_ids())
         self.requests: dict[Hashable, _Request] = {}
+        self.step_records: list[StepRecord] | None = None  # see record_steps()
         self.plan = describe_plan(self.layers, args.block_size)
         self.plan.update(num_blocks=num_blocks, block_size=args.block_size,
                          cache_tokens=self.kv_cache_config.num_tokens,
@@ -305,8 +306,21 @@ class LLMEngine:
 
     # ---- step ------------------------------------------------------------------------------------
 
+    def record_steps(self, enable: bool = True) -> None:
+        """Start (or stop) recording a StepRecord per step in ``step_records`` (a fresh list)."""
+        self.step_records = [] if enable else None
+        self.runner.measure_device_wait = enable
+
+    def stats(self) -> dict:
+        """Scheduler counters: preemptions, recomputed tokens, computed tokens, peak running."""
+        return self.scheduler.stats.as_dict()
+
+    def reset_stats(self) -> None:
+        self.scheduler.stats = SchedulerStats()
+
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return the outputs of the requests that finished in it."""
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -328,7 +342,19 @@ class LLMEngine:
             req = self.requests.pop(seq.seq_id)
             req.metrics.finished_time = now
             outputs.append(self._output(req))
+        if self.step_records is not None:
+            self._record_step(out, start)
         return outputs
+
+    def _record_step(self, out, start: float) -> None:
+        wall = time.perf_counter() - start
+        n, nd = len(out.scheduled), out.num_decodes
+        kind = "decode" if nd == n else "prefill" if nd == 0 else "mixed"
+        wait = self.runner.last_device_wait_s if self.runner.measure_device_wait else 0.0
+        self.step_records.append(StepRecord(
+            kind=kind, num_tokens=out.num_batched_tokens, num_seqs=n, num_decodes=nd,
+            graph_bucket=self.runner.last_graph_bucket, wall_ms=wall * 1e3, host_ms=(wall - wait) * 1e3,
+            num_preempted=len(out.preempted)))
 
     def _decode(self, req: _Request) -> str:
         if self.tokenizer is None:

@@ -21,6 +21,7 @@ TURBOQUANT, FLASH_ATTN); a model with a layer on any other backend runs decode e
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Hashable
 
 import torch
@@ -29,6 +30,7 @@ from tqattn.attention.backend import AttentionLayer, CommonAttentionMetadata
 from tqattn.attention.forward_context import ForwardContext, set_forward_context
 
 from . import compilation
+from .input_batch import InputBatch
 from .kv_cache import KVCacheGroup, allocate_kv_caches
 from .sampling import Sampler, SamplingParams
 from .scheduler import ScheduledSeq
@@ -64,6 +66,12 @@ class ModelRunner:
         self.kv_caches: dict[int, torch.Tensor] = {}
         self.num_blocks = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, logits)
+        self.input_batch = InputBatch(len(groups), block_size, device)
+        self.last_graph_bucket: int | None = None  # of the last step; None: it ran without a graph
+        # When set (the engine's step timeline), each step waits for the device before sampling
+        # and records how long: the rest of the step's wall time is host time.
+        self.measure_device_wait = False
+        self.last_device_wait_s = 0.0
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = {}  # captured over the old tensors
@@ -76,43 +84,18 @@ class ModelRunner:
 
     def _prepare(self, scheduled: list[ScheduledSeq]):
         """(input_ids, positions, per-group metadata, token index of each sampling request)."""
-        bs = self.block_size
-        q_lens = torch.tensor([s.num_scheduled_tokens for s in scheduled], dtype=torch.int64)
-        computed = torch.tensor([s.num_computed_tokens for s in scheduled], dtype=torch.int64)
-        seq_lens = computed + q_lens
-        num_reqs, num_tokens = len(scheduled), int(q_lens.sum())
-        input_ids = torch.tensor([t for s in scheduled for t in s.token_ids], dtype=torch.int64)
-        req = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
-        qsl = torch.zeros(num_reqs + 1, dtype=torch.int64)
-        qsl[1:] = torch.cumsum(q_lens, 0)
-        positions = computed[req] + torch.arange(num_tokens) - qsl[:-1][req]
-        num_decodes = 0  # leading one-token chunks (the scheduler puts decodes first)
-        while num_decodes < num_reqs and q_lens[num_decodes] == 1:
-            num_decodes += 1
-
-        dev = self.device
+        x = self.input_batch.prepare(scheduled)
         shared = dict(
-            query_start_loc=_to_device(qsl.to(torch.int32), dev),
-            seq_lens=_to_device(seq_lens.to(torch.int32), dev),
-            num_computed_tokens=_to_device(computed.to(torch.int32), dev),
-            query_start_loc_cpu=qsl.to(torch.int32), seq_lens_cpu=seq_lens.to(torch.int32),
-            num_computed_tokens_cpu=computed.to(torch.int32), num_reqs=num_reqs,
-            num_actual_tokens=num_tokens, max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()), num_decodes=num_decodes,
-            num_decode_tokens=num_decodes, block_size=bs)
-        max_blocks = -(-int(seq_lens.max()) // bs)
-        metadata = []
-        for g, builder in enumerate(self.builders):
-            table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
-            for i, s in enumerate(scheduled):
-                blocks = s.seq.block_tables[g][:max_blocks]
-                table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            slots = table[req, positions // bs].long() * bs + positions % bs
-            common = CommonAttentionMetadata(block_table=_to_device(table, dev),
-                                             slot_mapping=_to_device(slots, dev), **shared)
-            metadata.append(builder.build(common))
-        sample_idx = [int(qsl[i + 1]) - 1 for i, s in enumerate(scheduled) if s.samples]
-        return input_ids, positions, metadata, sample_idx
+            query_start_loc=x.query_start_loc, seq_lens=x.seq_lens, num_computed_tokens=x.num_computed_tokens,
+            query_start_loc_cpu=x.query_start_loc_cpu, seq_lens_cpu=x.seq_lens_cpu,
+            num_computed_tokens_cpu=x.num_computed_tokens_cpu, num_reqs=x.num_reqs,
+            num_actual_tokens=x.num_tokens, max_query_len=x.max_query_len, max_seq_len=x.max_seq_len,
+            num_decodes=x.num_decodes, num_decode_tokens=x.num_decodes, block_size=self.block_size)
+        metadata = [builder.build(CommonAttentionMetadata(block_table=x.block_tables[g],
+                                                          slot_mapping=x.slot_mappings[g], **shared))
+                    for g, builder in enumerate(self.builders)]
+        self.input_batch.copies_issued()  # the builders may have copied from the host buffers too
+        return x.input_ids, x.positions, metadata, x.sample_idx
 
     # ---- step ------------------------------------------------------------------------------------
 
@@ -122,11 +105,16 @@ class ModelRunner:
         """Run one step; return the sampled token of each request whose chunk reached its end."""
         if not scheduled:
             return {}
-        if self._graph_bucket(scheduled) is not None:
+        self.last_graph_bucket = self._graph_bucket(scheduled)
+        if self.last_graph_bucket is not None:
             logits = self._replay(scheduled)
         else:
             input_ids, positions, metadata, sample_idx = self._prepare(scheduled)
             logits = self.forward(input_ids, positions, metadata, sample_idx)
+        if self.measure_device_wait and self.device.type == "cuda":
+            t = time.perf_counter()
+            torch.cuda.current_stream(self.device).synchronize()
+            self.last_device_wait_s = time.perf_counter() - t
         sampling = [s.seq for s in scheduled if s.samples]
         if not sampling:
             return {}
@@ -265,25 +253,8 @@ class ModelRunner:
         logger.info("captured CUDA graphs for decode batch sizes %s", buckets)
 
     def _replay(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        bucket, n, bs, st = self._graph_bucket(scheduled), len(scheduled), self.block_size, self.static
-        pos = [s.num_computed_tokens for s in scheduled]
-        ids = torch.tensor([s.seq.token_ids[p] for s, p in zip(scheduled, pos)], dtype=torch.int64)
-        positions = torch.tensor(pos, dtype=torch.int64)
-        seq_lens = torch.zeros(bucket, dtype=torch.int32)
-        seq_lens[:n] = positions.to(torch.int32) + 1
-        st["input_ids"][:n].copy_(_to_device(ids, self.device))
-        st["positions"][:n].copy_(_to_device(positions, self.device))
-        st["seq_lens"][:bucket].copy_(_to_device(seq_lens, self.device))
-        st["num_computed_tokens"][:bucket].copy_(_to_device((seq_lens - 1).clamp_min(0), self.device))
-        for g in range(len(self.groups)):
-            width = max(len(s.seq.block_tables[g]) for s in scheduled)
-            table = torch.zeros(bucket, width, dtype=torch.int32)
-            for i, s in enumerate(scheduled):
-                table[i, :len(s.seq.block_tables[g])] = torch.tensor(s.seq.block_tables[g], dtype=torch.int32)
-            slots = torch.full((bucket,), -1, dtype=torch.int64)
-            slots[:n] = table[torch.arange(n), positions // bs].long() * bs + positions % bs
-            st["block_tables"][g][:bucket, :width].copy_(_to_device(table, self.device))
-            st["slot_mappings"][g][:bucket].copy_(_to_device(slots, self.device))
+        bucket, n = self._graph_bucket(scheduled), len(scheduled)
+        self.input_batch.prepare_decode(scheduled, bucket, self.static)
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:n]

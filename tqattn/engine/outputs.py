@@ -47,3 +47,16 @@ class RequestOutput:
     @property
     def num_cached_tokens(self) -> int:
         return self.metrics.num_cached_tokens if self.metrics else 0
+
+
+@dataclass
+class StepRecord:
+    """One engine step in the timeline (LLMEngine.record_steps)."""
+    kind: str  # "decode" (every sequence generating one token), "prefill", or "mixed"
+    num_tokens: int  # tokens run through the model, recomputed ones included
+    num_seqs: int
+    num_decodes: int
+    graph_bucket: int | None  # the CUDA graph's batch size; None when the step ran without one
+    wall_ms: float  # step(): schedule, inputs, model, sampling, bookkeeping
+    host_ms: float  # wall_ms minus the time the host waited for the device
+    num_preempted: int = 0

@@ -2,9 +2,21 @@
 
 Each step fills a token budget in this order: one token for every running sequence that is
 generating (decodes), the next chunk of running sequences still prefilling, then new requests
-from the waiting queue (first come, first served). When a running sequence needs a block and
-none is free, the most recently arrived running sequence is preempted: its blocks are freed and it
-goes to the front of the waiting queue, to recompute prompt + output when readmitted.
+from the waiting queue (first come, first served).
+
+Admission reserves room for growth, so that little prefill is computed twice. A waiting request
+is admitted only if the free blocks cover, besides its own prompt, every block the running set
+and it can still take: the rest of their prompts and their output up to max_tokens. A request
+that can only end by length (ignore_eos, no stop tokens or strings) will take all of it; for the
+others max_tokens is a bound, not a certainty (they may stop early), so their part of the
+reserve is capped at half the cache — reserving long max_tokens in full would leave most of the
+cache idle.
+(A fixed watermark of free blocks, as in vLLM's v0 block manager, does not scale with the output
+the running set will produce: a cache-bound batch then admits prompts that are preempted later,
+each losing its whole prefill.) When a running sequence still needs a block and none is free, the
+running sequence with the least computed work is preempted (latest arrival among equals): its
+blocks are freed and it goes to the front of the waiting queue, to recompute prompt + output when
+readmitted. ``stats`` counts preemptions and the tokens whose K/V were computed again.
 
 The sampling params object is opaque; these attributes are read when present:
 max_tokens (None: up to max_model_len), ignore_eos, stop_token_ids, min_tokens.
@@ -38,6 +50,18 @@ class ScheduledSeq:
 
 
 @dataclass
+class SchedulerStats:
+    """Counters since the scheduler was created (or ``stats`` was replaced by a fresh one)."""
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # tokens whose K/V had been computed before and were computed again
+    num_computed_tokens: int = 0  # all tokens run through the model, recomputed ones included
+    max_num_running: int = 0  # peak concurrent sequences
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefills
     preempted: list[Sequence] = field(default_factory=list)  # lost their KV this step
@@ -68,6 +92,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[Hashable, Sequence] = {}  # unfinished ones
+        self.stats = SchedulerStats()
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
@@ -119,26 +144,28 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
 
         # Running sequences: decodes, then continuing prefills.
-        order = ([s for s in self.running if self._is_decode(s)]
-                 + [s for s in self.running if not self._is_decode(s)])
-        for seq in order:
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            is_decode = self._is_decode(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not bm.can_allocate(seq, n):
-                victim = max(self.running, key=lambda s: s.arrival)
-                budget += self._preempt(victim, out)
-                if victim is seq:
+        decodes, prefills = [], []
+        for s in self.running:
+            (decodes if self._is_decode(s) else prefills).append(s)
+        for is_decode, seqs in ((True, decodes), (False, prefills)):
+            for seq in seqs:
+                if budget == 0:
                     break
-            else:
-                bm.allocate_slots(seq, n)
-                out.scheduled.append(ScheduledSeq(seq, n, is_decode, seq.num_computed_tokens))
-                budget -= n
+                if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                    continue
+                n = 1 if is_decode else min(seq.num_uncomputed_tokens, budget)
+                while not bm.allocate_slots(seq, n):
+                    # The cheapest to redo; among equals the latest arrival (it has waited least).
+                    victim = min(self.running, key=lambda s: (s.num_computed_tokens, -s.arrival))
+                    budget += self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                else:
+                    out.scheduled.append(ScheduledSeq(seq, n, is_decode, seq.num_computed_tokens))
+                    budget -= n
 
         # Waiting sequences, FCFS; none right after a preemption, which would only thrash.
+        reserve = None  # _reserve_of summed over the running set, at the first admission check
         while self.waiting and budget and len(self.running) < cfg.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             cached = bm.get_computed_blocks(seq)
@@ -146,6 +173,13 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not cfg.enable_chunked_prefill:
                 break
+            own = None
+            if self.running:
+                if reserve is None:
+                    reserve = [sum(x) for x in zip((0, 0, 0), *map(self._reserve_of, self.running))]
+                own = self._reserve_of(seq, cached + n)
+                if not self._fits_with_reserve(seq, n, cached, reserve, own):
+                    break
             if not bm.allocate_slots(seq, n, cached):
                 if not self.running:  # add() rules this out; never spin on an empty batch
                     raise RuntimeError(f"seq {seq.seq_id!r} cannot get {_cdiv(seq.num_tokens, cfg.block_size)} "
@@ -157,7 +191,33 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n, False, cached))
             budget -= n
+            if reserve is not None and own is not None:
+                reserve = [a + b for a, b in zip(reserve, own)]
+        self.stats.max_num_running = max(self.stats.max_num_running, len(self.running))
         return out
+
+    def _reserve_of(self, seq: Sequence, num_allocated_tokens: int | None = None) -> tuple[int, int, int]:
+        """(rest, sure growth, possible growth): blocks seq can still take for tokens it has (prompt,
+        output to recompute), and for output still to come up to max_tokens (the last sampled
+        token is never fed back) — sure when only the length can end it. num_allocated_tokens:
+        what its tables will cover (default: what they do)."""
+        bs = self.config.block_size
+        held = len(seq.block_table) if num_allocated_tokens is None else _cdiv(num_allocated_tokens, bs)
+        have = _cdiv(seq.num_tokens, bs)
+        growth = max(0, _cdiv(seq.num_prompt_tokens + seq.max_tokens - 1, bs) - max(held, have))
+        sp = seq.sampling_params
+        sure = (getattr(sp, "ignore_eos", False) and not getattr(sp, "stop_token_ids", None)
+                and not getattr(sp, "stop", None))
+        return max(0, have - held), growth if sure else 0, 0 if sure else growth
+
+    def _fits_with_reserve(self, seq: Sequence, num_new_tokens: int, num_cached_tokens: int,
+                           running: list[int], own: tuple[int, int, int]) -> bool:
+        """Whether admitting seq now leaves free the blocks the running set and seq can still take."""
+        bm = self.block_manager
+        reserve = (running[0] + own[0] + running[1] + own[1]
+                   + min(running[2] + own[2], min(bm.num_blocks) // 2))
+        taken = bm.num_blocks_to_take(seq, num_new_tokens, num_cached_tokens)
+        return all(t + reserve <= bm.num_free_blocks(g) for g, t in enumerate(taken))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Send a running seq back to the front of the waiting queue; return the budget it held."""
@@ -171,6 +231,7 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         return refund
@@ -179,15 +240,26 @@ class Scheduler:
                            sampled_token_ids: dict[Hashable, int | None]) -> list[Sequence]:
         """Advance the scheduled sequences after the model ran; return those that finished."""
         finished = []
+        computed = recomputed = 0
+        prefix_caching = self.block_manager.enable_prefix_caching
         for s in scheduler_output.scheduled:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:  # finished/aborted since schedule()
                 continue
-            if seq.num_computed_tokens != s.num_computed_tokens:
+            start = s.num_computed_tokens
+            if seq.num_computed_tokens != start:
                 raise RuntimeError(f"seq {seq.seq_id!r} was already updated for this scheduler output")
-            seq.num_computed_tokens += s.num_scheduled_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:  # mid-prompt chunk: nothing sampled
+            end = start + s.num_scheduled_tokens
+            computed += s.num_scheduled_tokens
+            high = seq.max_num_computed_tokens
+            if high > start:  # K/V below the high-water mark were computed before
+                recomputed += min(end, high) - start
+            if end > high:
+                seq.max_num_computed_tokens = end
+            seq.num_computed_tokens = end
+            if prefix_caching:
+                self.block_manager.cache_full_blocks(seq)
+            if end < seq.num_tokens:  # mid-prompt chunk: nothing sampled
                 continue
             token = sampled_token_ids.get(seq.seq_id)
             if token is None:
@@ -197,6 +269,8 @@ class Scheduler:
             if status is not None:
                 self._finish(seq, status)
                 finished.append(seq)
+        self.stats.num_computed_tokens += computed
+        self.stats.num_recomputed_tokens += recomputed
         return finished
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:

@@ -48,6 +48,7 @@ class Sequence:
         self.max_tokens: int | None = None  # resolved by Scheduler.add
         self.stop_reason: int | None = None  # the stop/eos token that finished it
         self.num_preemptions = 0
+        self.max_num_computed_tokens = 0  # high-water mark: tokens below it had K/V computed once
         self.block_tables: list[list[int]] = []
         self.block_hashes: list[bytes] = []  # hashes of the full blocks of token_ids, grown lazily
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache

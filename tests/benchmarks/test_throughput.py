@@ -1,0 +1,104 @@
+"""`tqattn bench throughput` end to end on a tiny model (CPU), and the step-time check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tqattn.benchmarks import report
+from tqattn.engine.outputs import StepRecord
+
+
+def test_throughput_end_to_end(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from tqattn.cli import main
+
+    n, n_in, n_out, dtypes = 5, 24, 4, ["auto", "turboquant_k3v4_nc"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is faster, above all on shared cores
+    try:
+        rc = main(["bench", "throughput", "--workload", "chat", "--model", "llama-tiny", "--num-prompts", str(n),
+                   "--input-len", str(n_in), "--output-len", str(n_out), "--kv-cache-dtypes", ",".join(dtypes),
+                   "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--device", "cpu",
+                   "--out-dir", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    res = json.loads((tmp_path / "throughput_chat.json").read_text())
+    assert res["workload"] == {**res["workload"], "name": "chat", "num_prompts": n, "input_len": n_in,
+                               "output_len": n_out}
+    assert [r["kv_cache_dtype"] for r in res["results"]] == dtypes == res["kv_cache_dtypes"]
+    assert res["engine_kwargs"]["enable_prefix_caching"] is False
+    args = [dict(r["engine_args"]) for r in res["results"]]
+    assert [a.pop("kv_cache_dtype") for a in args] == dtypes
+    assert args[0] == args[1]  # identical engine arguments apart from the dtype
+    for r in res["results"]:
+        assert r["num_requests"] == n and r["input_tokens"] == n * n_in and r["output_tokens"] == n * n_out
+        assert r["output_tok_s"] == pytest.approx(n * n_out / r["elapsed_s"])
+        tl = r["timeline"]
+        steps = len(tl["kind"])
+        assert all(len(v) == steps for v in tl.values()) and steps == r["steps"]["num_steps"]
+        # every token run through the model, recomputation included, is in the timeline
+        assert sum(tl["num_tokens"]) == r["num_computed_tokens"] == r["steps"]["total_tokens"]
+        assert r["num_computed_tokens"] == n * (n_in + n_out - 1) + r["num_recomputed_tokens"]
+        assert max(tl["num_tokens"]) <= 16 and set(tl["kind"]) <= {"decode", "prefill", "mixed"}
+        assert sum(k["steps"] for k in r["steps"]["by_kind"].values()) == steps
+        assert r["steps"]["max_step"]["wall_ms"] == max(tl["wall_ms"])
+        for key in ("ttft_ms", "tpot_ms"):
+            p = r[key]
+            assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"]
+        d = r["steps"]["decode_at_largest_batch"]
+        assert d["batch"] == max(s for s, k in zip(tl["num_seqs"], tl["kind"]) if k == "decode") <= 2
+        assert 1 <= r["peak_concurrent_seqs"] <= 2
+        assert r["kv_capacity_tokens"] > 0 and r["num_preemptions"] >= 0
+        assert r["recomputed_fraction_of_prompt_tokens"] == r["num_recomputed_tokens"] / (n * n_in)
+        assert [a["layer"] for a in r["attention"]] == [0, 1]
+        want = "FLASH_ATTN" if r["kv_cache_dtype"] == "auto" else "TURBOQUANT"
+        assert {a["backend"] for a in r["attention"]} == {want}
+        check = r["step_check"]
+        assert check["num_steps"] == steps and check["ok"] == (check["num_violations"] == 0)
+        for key in ("compilations_after_startup", "compilations_in_run"):
+            assert r[key] is None or all(isinstance(v, int) and v >= 0 for v in r[key].values())
+        assert r["startup_s"] > 0
+    md = (tmp_path / "throughput_chat.md").read_text()
+    assert all(f"`{d}`" in md for d in dtypes) and "tokens prefilled again" in md
+    try:
+        import matplotlib  # noqa: F401
+        assert (tmp_path / "throughput_chat_steps.png").stat().st_size > 0
+    except ImportError:
+        pass
+    printed = capsys.readouterr().out
+    assert "out tok/s" in printed and all(d in printed for d in dtypes)
+
+
+def _rec(kind, tokens, ms, bucket=None, seqs=1):
+    return StepRecord(kind=kind, num_tokens=tokens, num_seqs=seqs, num_decodes=seqs if kind == "decode" else 0,
+                      graph_bucket=bucket, wall_ms=ms, host_ms=ms)
+
+
+def test_step_check_groups_by_kind_and_size():
+    records = ([_rec("decode", 3, 10, bucket=4, seqs=3)] * 4 + [_rec("decode", 4, 25, bucket=4, seqs=4)]
+               + [_rec("decode", 9, 40, bucket=16, seqs=9)] * 3  # another bucket: its own median
+               + [_rec("prefill", 1000, 180), _rec("prefill", 1024, 190), _rec("prefill", 700, 2600)]
+               + [_rec("mixed", 1000, 170)])  # same size as the prefills, other kind
+    c = report.step_check(records)
+    assert c["num_groups"] == 4 and not c["ok"]
+    assert [(b["index"], b["kind"], b["size"]) for b in c["worst"]] == [(10, "prefill", 1024), (4, "decode", 4)]
+    assert c["worst"][0]["median_ms"] == 190 and c["num_violations"] == 2
+    assert report.step_check(records[:4])["ok"]
+    s = report.step_summary(records)
+    assert s["decode_at_largest_batch"] == {"batch": 9, "steps": 3, "graph_bucket": 16, "median_ms": 40,
+                                            "median_host_ms": 40}
+    assert s["max_step"]["index"] == 10 and s["by_kind"]["prefill"]["steps"] == 3
+
+
+def test_byte_sizes_and_errors():
+    import argparse
+
+    from tqattn.benchmarks.cli import _bytes
+
+    assert _bytes("8GiB") == 8 << 30 and _bytes("512MiB") == 512 << 20 and _bytes("1024") == 1024
+    with pytest.raises(argparse.ArgumentTypeError, match="8 gigs"):
+        _bytes("8 gigs")

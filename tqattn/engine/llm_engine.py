@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from tqattn.attention.backend import AttentionLayerSpec
-from tqattn.attention.selector import build_attention_layers, describe_plan, resolve_kv_cache_dtypes
+from tqattn.attention.selector import (FULL_PRECISION, build_attention_layers, describe_full_precision,
+                                       describe_plan, full_precision_layers, resolve_kv_cache_dtypes)
 from tqattn.models import load_model
 from tqattn.models.hf_attention import use_tqattn
 from tqattn.quant.presets import PRESETS
@@ -68,9 +69,31 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+        _check_device(self.device)
         if isinstance(self.kv_cache_dtype_skip_layers, (str, int)):
             self.kv_cache_dtype_skip_layers = [self.kv_cache_dtype_skip_layers]
         self.kv_cache_dtype_skip_layers = list(self.kv_cache_dtype_skip_layers or [])
+
+
+def _check_device(device: str | None) -> None:
+    """A device this process can use: None, "cpu", or "cuda[:N]" with a visible CUDA device."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N' "
+                         f"(or None: cuda if available, else cpu)")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={device!r} but torch {torch.__version__} sees no CUDA device "
+                             f"(a CPU-only build, or no GPU visible); use device='cpu'")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device={device!r} but torch sees {count} CUDA device(s): "
+                             f"cuda:0..cuda:{count - 1}")
 
 
 @dataclass
@@ -125,8 +148,14 @@ class LLMEngine:
     def _attention_layers(self):
         """Each layer's spec from the HF config, its KV dtype from the routing, its backend."""
         args, info = self.args, self.model_info
-        dtypes = resolve_kv_cache_dtypes(info.num_layers, info.sliding_windows, args.kv_cache_dtype,
-                                         args.kv_cache_dtype_skip_layers, args.kv_cache_boundary_layers)
+        routing = (info.num_layers, info.sliding_windows)
+        dtypes = resolve_kv_cache_dtypes(*routing, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers,
+                                         args.kv_cache_boundary_layers)
+        if args.kv_cache_dtype in PRESETS and FULL_PRECISION in dtypes:
+            rules = full_precision_layers(*routing, args.kv_cache_dtype_skip_layers,
+                                          args.kv_cache_boundary_layers)
+            logger.warning("kv_cache_dtype=%s: %s keep a full-precision cache", args.kv_cache_dtype,
+                           describe_full_precision(rules, info.num_layers))
         specs = [AttentionLayerSpec(
             layer_idx=i, num_heads=info.num_q_heads, num_kv_heads=info.num_kv_heads,
             head_size=info.head_dim, scale=info.scaling, dtype=self.loaded.dtype,

@@ -28,24 +28,22 @@ _BYTES = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?", re.IGNORECASE)
 
 # ---- value parsers (argparse `type=`): each error names the value and what is allowed ---------
 
-def positive_int(s: str) -> int:
+def _int(s: str, lowest: int, what: str) -> int:
     try:
         v = int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+        v = lowest - 1
+    if v < lowest:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
     return v
+
+
+def positive_int(s: str) -> int:
+    return _int(s, 1, "a positive integer")
 
 
 def non_negative_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
-    return v
+    return _int(s, 0, "an integer >= 0")
 
 
 def _number(s: str, what: str, ok) -> float:
@@ -67,13 +65,7 @@ def probability(s: str) -> float:
 
 
 def top_k(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        v = -2
-    if v < -1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, or 0 / -1 for no top-k, got {s!r}")
-    return v
+    return _int(s, -1, "an integer >= 1, or 0 / -1 for no top-k")
 
 
 def num_bytes(s: str) -> int:
@@ -124,44 +116,38 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The EngineArgs flags, in a group of their own; defaults are EngineArgs'."""
     g = parser.add_argument_group("engine")
-    d = _DEFAULTS
-    g.add_argument("--model", default=d["model"],
-                   help="HF model dir, .gguf file, shipped config name (with --load-format dummy, "
-                        "see tqattn/configs/models/), or 'default' (SmolLM2-135M-Instruct GGUF)")
-    g.add_argument("--load-format", default=d["load_format"], choices=LOAD_FORMATS,
-                   help="dummy: random weights from the model's config")
-    g.add_argument("--dtype", default=d["dtype"], choices=DTYPES,
-                   help="model dtype; auto = float32 on CPU, the config's dtype on GPU")
-    g.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], type=kv_cache_dtype,
-                   help="auto (the model dtype) or a TurboQuant preset (`tqattn presets`); "
-                        "recommended: tq_k4v3")
-    g.add_argument("--kv-cache-dtype-skip-layers", default=[], type=skip_layers,
-                   help="comma-separated layer indices and/or 'sliding_window' kept full precision")
-    g.add_argument("--kv-cache-boundary-layers", type=non_negative_int, default=d["kv_cache_boundary_layers"],
-                   help="keep the first and last N layers full precision (default: the selector's, 0)")
-    g.add_argument("--max-model-len", type=positive_int, default=d["max_model_len"],
-                   help="prompt + generated tokens per request (default: the model's max_position_embeddings)")
-    g.add_argument("--max-num-seqs", type=positive_int, default=d["max_num_seqs"],
-                   help="sequences running at once")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=d["max_num_batched_tokens"],
-                   help="token budget of one step (decodes + prefill chunks)")
-    g.add_argument("--block-size", type=positive_int, default=d["block_size"], help="tokens per KV-cache block")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=d["enable_prefix_caching"], help="reuse cached blocks of shared prompt prefixes")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=d["enable_chunked_prefill"], help="split long prompts over several steps")
-    g.add_argument("--kv-cache-memory-bytes", type=num_bytes, default=d["kv_cache_memory_bytes"],
-                   help="KV-cache budget, e.g. 256M or 2G (default: 1 GiB on CPU, what "
-                        "--gpu-memory-utilization leaves on GPU)")
-    g.add_argument("--gpu-memory-utilization", type=probability, default=d["gpu_memory_utilization"],
-                   help="share of GPU memory for weights, activations and the KV cache")
-    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=d["num_gpu_blocks_override"],
-                   help="exact number of KV-cache blocks (overrides the budgets)")
-    g.add_argument("--device", type=device, default=d["device"],
-                   help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--seed", type=int, default=d["seed"],
-                   help="engine seed (weights of dummy models, sampling of unseeded requests)")
+
+    def flag(name: str, **kw):  # --kebab-case of the field, its dataclass default
+        g.add_argument("--" + name.replace("_", "-"), default=_DEFAULTS.get(name, []), **kw)
+
+    flag("model", help="HF model dir, .gguf file, shipped config name (with --load-format dummy, see "
+                       "tqattn/configs/models/), or 'default' (SmolLM2-135M-Instruct GGUF)")
+    flag("load_format", choices=LOAD_FORMATS, help="dummy: random weights from the model's config")
+    flag("dtype", choices=DTYPES, help="model dtype; auto = float32 on CPU, the config's dtype on GPU")
+    flag("kv_cache_dtype", type=kv_cache_dtype,
+         help="auto (the model dtype) or a TurboQuant preset (`tqattn presets`); recommended: tq_k4v3")
+    flag("kv_cache_dtype_skip_layers", type=skip_layers,
+         help="comma-separated layer indices and/or 'sliding_window' kept full precision")
+    flag("kv_cache_boundary_layers", type=non_negative_int,
+         help="keep the first and last N layers full precision (default: the selector's, 0)")
+    flag("max_model_len", type=positive_int,
+         help="prompt + generated tokens per request (default: the model's max_position_embeddings)")
+    flag("max_num_seqs", type=positive_int, help="sequences running at once")
+    flag("max_num_batched_tokens", type=positive_int, help="token budget of one step (decodes + prefill chunks)")
+    flag("block_size", type=positive_int, help="tokens per KV-cache block")
+    flag("enable_prefix_caching", action=argparse.BooleanOptionalAction,
+         help="reuse cached blocks of shared prompt prefixes")
+    flag("enable_chunked_prefill", action=argparse.BooleanOptionalAction,
+         help="split long prompts over several steps")
+    flag("kv_cache_memory_bytes", type=num_bytes,
+         help="KV-cache budget, e.g. 256M or 2G (default: 1 GiB on CPU, what --gpu-memory-utilization "
+              "leaves on GPU)")
+    flag("gpu_memory_utilization", type=probability,
+         help="share of GPU memory for weights, activations and the KV cache")
+    flag("num_gpu_blocks_override", type=positive_int, help="exact number of KV-cache blocks (overrides the budgets)")
+    flag("device", type=device, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    flag("enforce_eager", action="store_true", help="no CUDA graphs")
+    flag("seed", type=int, help="engine seed (weights of dummy models, sampling of unseeded requests)")
     return parser
 
 

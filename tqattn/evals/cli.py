@@ -9,6 +9,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from tqattn.engine.arg_utils import positive_int as _positive
+
 DEFAULT_PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                    "turboquant_3bit_nc", "tq_k4v4", "tq_k3.5v3.5", "tq_k4v3", "tq_k3v4"]
 
@@ -247,16 +249,6 @@ def cmd_report(args) -> int:
     print(report.markdown(rep))
     print(f"wrote {args.out_dir}/report.md, report.json, quality_vs_bits.png")
     return 0
-
-
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
 
 
 def _str_list(s: str) -> list[str]:

@@ -9,6 +9,9 @@ it at full precision ("auto", the model dtype) on FlashAttention:
   (and cannot turn it off); here it is a setting, :data:`DEFAULT_BOUNDARY_LAYERS` by default,
   to be set from the accuracy measurements.
 
+A TurboQuant ``kv_cache_dtype`` that these rules leave with no layer is an error, not a silent
+full-precision cache; the engine logs how many layers the rules keep full precision.
+
 Layers whose caches have the same spec (backend, KV dtype, per-block shape and bytes) share a
 KV-cache group; each group gets one metadata builder.
 """

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import signal
 import sys
 
 
@@ -32,6 +35,9 @@ def cmd_presets(args) -> int:
         return 0
     print(f"KV-cache presets at head size {args.head_dim} (bytes per token per KV head; "
           f"bf16 K+V = {4 * args.head_dim})")
+    for r in rows:
+        if not r["supported"]:
+            r["description"] = f"UNSUPPORTED: {r['unsupported_reason']}"
     _print_table(rows, [("preset", "preset"), ("slot_bytes", "bytes"),
                         ("bits_per_element", "bits/elem"), ("compression_vs_bf16", "vs bf16"),
                         ("key_codec", "keys"), ("key_bits", "k bits"), ("value_codec", "values"),
@@ -59,6 +65,8 @@ def cmd_codec_report(args) -> int:
     print("\nExact-law key codebooks (levels in units of 1/sqrt(d)):")
     _print_table(rep["key_codebook"], [("bits", "bits"), ("key_mse", "mse"),
                                        ("theory_mse", "theory"), ("levels", "levels")])
+    for name, reason in rep["unsupported"].items():
+        print(f"not measured: {name}: {reason}")
     return 0
 
 
@@ -73,105 +81,159 @@ def cmd_env(args) -> int:
 def cmd_generate(args) -> int:
     import time
 
+    from .engine.arg_utils import engine_kwargs_from_args, sampling_params_from_args
+
+    # everything a user can get wrong is checked before the model loads
+    engine_kwargs = engine_kwargs_from_args(args)
+    params = sampling_params_from_args(args)
+    token_prompts = [{"prompt_token_ids": _token_ids(p)} for p in args.prompt] if args.token_ids else None
+    _progress_bars(not args.json and sys.stderr.isatty())
+
     from .engine.llm import LLM
     from .engine.llm_engine import format_plan
-    from .engine.sampling import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
-              kv_cache_boundary_layers=args.kv_cache_boundary_layers,
-              max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              load_format=args.load_format, seed=args.seed, device=args.device,
-              enforce_eager=args.enforce_eager)
+    llm = LLM(**engine_kwargs)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            seed=args.seed if args.temperature > 0 else None)
-    if args.token_ids:
-        prompts = [{"prompt_token_ids": _token_ids(p)} for p in args.prompt]
-    elif not args.no_chat and getattr(llm.tokenizer, "chat_template", None):
-        prompts = [{"prompt": p, "prompt_token_ids": llm._encode_chat(llm.apply_chat_template(
-            [{"role": "user", "content": p}]))} for p in args.prompt]
-    else:
-        prompts = list(args.prompt)
+    chat = token_prompts is None and not args.no_chat and bool(getattr(llm.tokenizer, "chat_template", None))
+    use_tqdm = not args.json and len(args.prompt) > 1 and sys.stderr.isatty()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.json and len(prompts) > 1)
+    if chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=use_tqdm)
+    else:
+        outputs = llm.generate(token_prompts or list(args.prompt), params, use_tqdm=use_tqdm)
     end = time.perf_counter()
+    _warn_empty_replies(llm, outputs, chat)
 
     first = max(o.metrics.first_token_time for o in outputs)
     n_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     n_decode = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
     timings = {"load_s": engine.load_time, "generate_s": end - start, "prefill_s": first - start,
                "prefill_tok_s": n_prompt / max(first - start, 1e-9),
-               "decode_s": end - first, "decode_tok_s": n_decode / max(end - first, 1e-9)}
+               "decode_s": end - first,
+               "decode_tok_s": n_decode / max(end - first, 1e-9) if n_decode else None}
     if args.json:
         print(json.dumps({
             "model": engine.loaded.name, "device": str(engine.device), "dtype": str(engine.loaded.dtype),
-            "kv_cache_dtype": args.kv_cache_dtype, "cache_plan": engine.plan, "timings": timings,
-            "outputs": [{"prompt": p if isinstance(p, str) else p.get("prompt"),
-                         "prompt_token_ids": o.prompt_token_ids, "token_ids": o.outputs[0].token_ids,
+            "kv_cache_dtype": args.kv_cache_dtype, "chat_template": chat, "cache_plan": engine.plan,
+            "timings": timings,
+            "outputs": [{"prompt": p, "prompt_token_ids": o.prompt_token_ids, "token_ids": o.outputs[0].token_ids,
                          "text": o.outputs[0].text, "finish_reason": o.outputs[0].finish_reason}
                         for p, o in zip(args.prompt, outputs)]}, indent=1))
         return 0
     print(format_plan(engine.plan))
-    print(f"load {timings['load_s']:.1f} s, prefill {timings['prefill_tok_s']:.1f} tok/s, "
-          f"decode {timings['decode_tok_s']:.1f} tok/s")
+    decode = f"{timings['decode_tok_s']:.1f} tok/s" if n_decode else "- (no decode step)"
+    print(f"load {timings['load_s']:.1f} s, prefill {timings['prefill_tok_s']:.1f} tok/s, decode {decode}")
     for p, o in zip(args.prompt, outputs):
         c = o.outputs[0]
         print(f"\n>>> {p}\n{c.text if llm.tokenizer is not None else c.token_ids}")
     return 0
 
 
+def _warn_empty_replies(llm, outputs, chat: bool) -> None:
+    """Say why a reply is empty: the model's first token ended it (often a chat model fed plain
+    text, which it reads as a finished user turn and answers with its end-of-turn token)."""
+    tok = llm.tokenizer
+    for i, o in enumerate(outputs):
+        c = o.outputs[0]
+        if c.text.strip() or c.finish_reason != "stop" or len(c.token_ids) > 1:
+            continue
+        first = tok.convert_ids_to_tokens(c.token_ids[0]) if tok is not None and c.token_ids else c.token_ids
+        hint = ("this model has a chat template and --no-chat sent the prompt as plain text, which "
+                "it reads as a finished user turn; drop --no-chat, or " if not chat and
+                getattr(tok, "chat_template", None) else "")
+        _warn(f"prompt {i + 1} got an empty reply: the model's first token was end-of-sequence "
+              f"({first!r}); {hint}pass --min-tokens N to make it continue")
+
+
+def _progress_bars(show: bool) -> None:
+    """transformers' "Loading weights" bar (stderr): only on a terminal and never with --json."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.enable_progress_bar() if show else hf_logging.disable_progress_bar()
+
+
 def _token_ids(s: str) -> list[int]:
     try:
-        return [int(t) for t in s.replace(",", " ").split()]
+        ids = [int(t) for t in s.replace(",", " ").split()]
     except ValueError:
-        raise SystemExit(f"--token-ids: {s!r} is not a comma-separated list of token ids") from None
+        ids = []
+    if not ids or min(ids) < 0:
+        raise ValueError(f"--token-ids: {s!r} is not a comma-separated list of token ids (integers >= 0)")
+    return ids
+
+
+def _warn(msg: str) -> None:
+    print(f"tqattn: warning: {msg}", file=sys.stderr)
+
+
+class _LogFormatter(logging.Formatter):
+    # the same shape as the command's own lines: "tqattn: warning: ..."
+    def format(self, record):
+        return f"tqattn: {record.levelname.lower()}: {record.getMessage()}"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None / False / empty (the help says what that means)."""
+
+    def _get_help_string(self, action):
+        d = action.default
+        if d is None or d is False or d is argparse.SUPPRESS or (isinstance(d, list) and not d):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """A bad flag is one line on stderr (no usage dump) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+GENERATE_DESCRIPTION = """\
+Generate text. Prompts are chat-formatted when the model has a chat template (--no-chat sends
+them as plain text). Command-line sampling defaults: greedy (--temperature 0), up to 64 tokens;
+SamplingParams() in Python defaults to temperature 1.0 and max_tokens 16 (vLLM's)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tqattn", description="TurboQuant KV-cache attention")
+    from . import __version__
+    from .engine.arg_utils import add_engine_args, add_sampling_args
+
+    ap = Parser(prog="tqattn", description="TurboQuant KV-cache attention", formatter_class=HelpFormatter)
+    ap.add_argument("--version", action="version", version=f"tqattn {__version__}")
+    ap.add_argument("--debug", action="store_true",
+                    help="show the Python traceback of an error (also: TQATTN_DEBUG=1)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("presets", help="list KV-cache presets with exact byte accounting")
-    p.add_argument("--head-dim", type=_head_dim, default=128)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--head-dim", type=_head_dim, default=128, help="head size")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_presets)
 
     p = sub.add_parser("codec-report", help="measure each preset's quantization quality")
-    p.add_argument("--head-dim", type=_head_dim, default=128)
+    p.add_argument("--head-dim", type=_head_dim, default=128, help="head size")
     p.add_argument("--preset", action="append", type=_preset_name,
-                   help="preset to measure (repeatable; default: all)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+                   help="preset to measure (repeatable; default: every preset that encodes the head size)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_codec_report)
 
     p = sub.add_parser("env", help="device, FlashAttention versions and the version chosen")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_env)
 
-    p = sub.add_parser("generate", help="generate text with a model (default: embedded SmolLM2-135M)")
+    p = sub.add_parser("generate", help="generate text with a model (default: embedded SmolLM2-135M)",
+                       description=GENERATE_DESCRIPTION)
     p.add_argument("prompt", nargs="+", help="prompt text (chat-formatted when the model has a template)")
-    p.add_argument("--model", default="default",
-                   help="HF model dir, .gguf file, shipped config name (with --load-format dummy), "
-                        "or 'default' (SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="'auto' or a preset (see `tqattn presets`)")
-    p.add_argument("--kv-cache-dtype-skip-layers", default=[], type=_skip_layers,
-                   help="comma-separated layer indices and/or 'sliding_window' kept full precision")
-    p.add_argument("--kv-cache-boundary-layers", type=int, default=None,
-                   help="keep the first and last N layers full precision (default: the selector's)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy", "gguf", "safetensors"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_engine_args(p)
+    add_sampling_args(p)
     p.add_argument("--no-chat", action="store_true", help="send prompts as plain text, no chat template")
     p.add_argument("--token-ids", action="store_true",
                    help="each PROMPT is a comma-separated list of token ids (models without a tokenizer)")
-    p.add_argument("--json", action="store_true", help="print tokens, text, timings and the cache plan as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print tokens, text, timings and the cache plan as JSON (stdout holds only the JSON)")
     p.set_defaults(func=cmd_generate)
     from .evals.cli import add_eval_parser
 
@@ -179,7 +241,23 @@ def build_parser() -> argparse.ArgumentParser:
     from .benchmarks.cli import add_bench_parser
 
     add_bench_parser(sub)
+    _for_every_subcommand(ap, _common_subcommand_options)
     return ap
+
+
+def _for_every_subcommand(parser: argparse.ArgumentParser, fn) -> None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                fn(sub)
+                _for_every_subcommand(sub, fn)
+
+
+def _common_subcommand_options(p: argparse.ArgumentParser) -> None:
+    # --help of every subcommand shows defaults; --debug works after the subcommand too
+    p.formatter_class = HelpFormatter
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show the Python traceback of an error (also: TQATTN_DEBUG=1)")
 
 
 def _head_dim(s: str) -> int:
@@ -192,10 +270,6 @@ def _head_dim(s: str) -> int:
     return d
 
 
-def _skip_layers(s: str) -> list[int | str]:
-    return [int(x) if x.strip().lstrip("-").isdigit() else x.strip() for x in s.split(",") if x.strip()]
-
-
 def _preset_name(s: str) -> str:
     from .quant.presets import get_preset
 
@@ -205,9 +279,36 @@ def _preset_name(s: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# Errors that come from what the user asked for (a value, a path, a missing package or opt-in);
+# anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError, ImportError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    debug = args.debug or os.environ.get("TQATTN_DEBUG", "") not in ("", "0")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_LogFormatter())
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    try:
+        rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handler
+        return rc
+    except BrokenPipeError:
+        # `tqattn presets | head`: the reader left; stop quietly, as a SIGPIPE'd tool would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("tqattn: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"tqattn: error: {msg} (--debug shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

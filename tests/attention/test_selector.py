@@ -35,10 +35,36 @@ def test_skip_sliding_window_layers():
     assert fp_layers(resolve_kv_cache_dtypes(8, FULL, P, ["sliding_window"])) == []
 
 
-@pytest.mark.parametrize("n,expect", [(1, [0, 7]), (2, [0, 1, 6, 7]), (4, list(range(8))),
-                                      (100, list(range(8)))])
+@pytest.mark.parametrize("n,expect", [(1, [0, 7]), (2, [0, 1, 6, 7]), (3, [0, 1, 2, 5, 6, 7])])
 def test_boundary_layers(n, expect):
     assert fp_layers(resolve_kv_cache_dtypes(8, FULL, P, boundary_layers=n)) == expect
+
+
+@pytest.mark.parametrize("num_layers,n", [(8, 4), (8, 100), (30, 15), (30, 999), (1, 1)])
+def test_boundary_layers_that_leave_no_turboquant_layer_are_an_error(num_layers, n):
+    # they once kept every layer in full precision without a word
+    with pytest.raises(ValueError, match=rf"kv_cache_boundary_layers={n} keeps .* every layer.*"
+                                         rf"use at most {(num_layers - 1) // 2}"):
+        resolve_kv_cache_dtypes(num_layers, [None] * num_layers, P, boundary_layers=n)
+    # a full-precision cache may have any boundary: there is nothing to lose
+    assert resolve_kv_cache_dtypes(num_layers, [None] * num_layers, "auto", boundary_layers=n) == \
+        ["auto"] * num_layers
+
+
+def test_skip_rules_that_leave_no_turboquant_layer_are_an_error():
+    with pytest.raises(ValueError, match=r"would apply to no layer.*8 of 8 layers \(skip_layers: 3; "
+                                         r"sliding_window: 0, 1, 2, 4, 5, 6; boundary_layers: 0, 7\)"):
+        resolve_kv_cache_dtypes(8, GEMMA, P, ["sliding_window", 3], boundary_layers=1)
+    with pytest.raises(ValueError, match="would apply to no layer"):
+        resolve_kv_cache_dtypes(2, [None] * 2, P, [0, 1])
+
+
+def test_full_precision_layers_by_rule():
+    rules = selector.full_precision_layers(8, GEMMA, ["sliding_window", "3"], boundary_layers=1)
+    assert rules == {"skip_layers": [3], "sliding_window": [0, 1, 2, 4, 5, 6], "boundary_layers": [0, 7]}
+    assert selector.describe_full_precision(rules, 8).startswith("8 of 8 layers (skip_layers: 3; ")
+    none = selector.full_precision_layers(8, FULL)
+    assert selector.describe_full_precision(none, 8) == "0 of 8 layers"
 
 
 def test_boundary_default_is_the_module_constant(monkeypatch):
@@ -48,8 +74,8 @@ def test_boundary_default_is_the_module_constant(monkeypatch):
 
 
 def test_rules_combine():
-    dtypes = resolve_kv_cache_dtypes(8, GEMMA, P, ["sliding_window", 3], boundary_layers=1)
-    assert fp_layers(dtypes) == [0, 1, 2, 3, 4, 5, 6, 7]
+    dtypes = resolve_kv_cache_dtypes(8, GEMMA, P, ["sliding_window", 1], boundary_layers=1)
+    assert fp_layers(dtypes) == [0, 1, 2, 4, 5, 6, 7]
     dtypes = resolve_kv_cache_dtypes(8, GEMMA, P, ["sliding_window"], boundary_layers=1)
     assert dtypes[3] == P and fp_layers(dtypes) == [0, 1, 2, 4, 5, 6, 7]
 

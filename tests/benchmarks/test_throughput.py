@@ -59,8 +59,9 @@ def test_throughput_end_to_end(tmp_path, capsys):
         assert {a["backend"] for a in r["attention"]} == {want}
         check = r["step_check"]
         assert check["num_steps"] == steps and check["ok"] == (check["num_violations"] == 0)
-        for key in ("compilations_after_startup", "compilations_in_run"):
-            assert r[key] is None or all(isinstance(v, int) and v >= 0 for v in r[key].values())
+        for key in ("compilations_after_startup", "compilations_in_run"):  # CPU: nothing compiles
+            c = r[key]
+            assert c["total"] == c["dynamo"] + c["triton"] == 0 and c["triton_kernels"] == []
         assert r["startup_s"] > 0
     md = (tmp_path / "throughput_chat.md").read_text()
     assert all(f"`{d}`" in md for d in dtypes) and "tokens prefilled again" in md
@@ -94,11 +95,23 @@ def test_step_check_groups_by_kind_and_size():
     assert s["max_step"]["index"] == 10 and s["by_kind"]["prefill"]["steps"] == 3
 
 
-def test_byte_sizes_and_errors():
+def test_bench_flags_are_the_shared_engine_flags():
     import argparse
 
-    from tqattn.benchmarks.cli import _bytes
+    from tqattn.cli import build_parser
 
-    assert _bytes("8GiB") == 8 << 30 and _bytes("512MiB") == 512 << 20 and _bytes("1024") == 1024
-    with pytest.raises(argparse.ArgumentTypeError, match="8 gigs"):
-        _bytes("8 gigs")
+    ap = build_parser()
+    args = ap.parse_args(["bench", "throughput", "--workload", "chat", "--kv-cache-memory-bytes", "8GiB",
+                          "--kv-cache-dtypes", "auto,tq_k4v3", "--no-compile-model"])
+    assert args.kv_cache_memory_bytes == 8 << 30 and args.kv_cache_dtypes == ["auto", "tq_k4v3"]
+    assert args.compile_model is False and args.model == "Qwen3-4B" and args.max_num_batched_tokens == 8192
+    from tqattn.benchmarks.cli import engine_kwargs_from_args
+    from tqattn.benchmarks.throughput import WORKLOADS
+
+    kw = engine_kwargs_from_args(args, WORKLOADS["chat"])
+    assert kw["load_format"] == "dummy" and kw["enable_prefix_caching"] is False
+    assert kw["max_model_len"] == WORKLOADS["chat"].input_len + WORKLOADS["chat"].output_len
+    assert "kv_cache_dtype" not in kw and "model" not in kw
+    for bad in (["--kv-cache-memory-bytes", "8 gigs"], ["--kv-cache-dtypes", "auto,fp3"]):
+        with pytest.raises(SystemExit):
+            ap.parse_args(["bench", "throughput", "--workload", "chat", *bad])

@@ -120,3 +120,20 @@ def test_cache_plan():
     assert plan["bf16_cache_tokens"] == plan["cache_bytes"] // 256
     text = llm.describe_kv_cache()
     assert "TURBOQUANT x2" in text and "80.0 bytes/token" in text
+
+
+@pytest.mark.parametrize("head_dim,preset", [(12, "tq_k3o4v3.5"), (14, "tq_k4v3"), (14, "turboquant_k3v4_nc"),
+                                             (12, "tq_k2.5v2.5")])
+def test_head_sizes_whose_codes_are_not_whole_words(tmp_path, head_dim, preset):
+    # 6 or 14 codes of 3 bits: these once passed validation and crashed in the paged store
+    import json
+
+    from tqattn.models.configs import model_config_path
+
+    config = json.loads(model_config_path("llama-tiny").read_text())
+    config.update(head_dim=head_dim)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    prompts = random_prompts([5, 21], seed=head_dim)
+    _, tokens, chunks = _run(str(path), prompts, kv_cache_dtype=preset)
+    _check_against_reference(str(path), preset, prompts, tokens, chunks)

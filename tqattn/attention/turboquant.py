@@ -60,7 +60,6 @@ from .merge import merge_attn_states
 from .plan import KVGather, cumsum0, pack_kv, plan_kv_gather, segment_arange, to_device, window_start
 from .registry import register_backend
 from ..quant.codec import TQCodec
-from ..quant.layout import build_layout
 from ..quant.presets import PRESETS
 
 CONTINUATION_DEQUANT_THRESHOLD = 32   # chunk tokens; see the module docstring
@@ -318,9 +317,8 @@ class TurboQuantBackend(AttentionBackend):
         if spec.dtype not in MODEL_DTYPES:
             return f"model dtype {spec.dtype} not supported by {cls.name} (fp16, bf16, fp32)"
         reason = super().unsupported_reason(spec)
-        if reason is None:
-            try:
-                build_layout(spec.kv_cache_dtype, spec.head_size)
-            except ValueError as e:
-                return f"{spec.kv_cache_dtype} cannot encode head size {spec.head_size}: {e}"
+        if reason is None and spec.kv_cache_dtype in PRESETS:
+            why = PRESETS[spec.kv_cache_dtype].head_dim_unsupported_reason(spec.head_size)
+            if why is not None:
+                return f"{spec.kv_cache_dtype} cannot encode head size {spec.head_size}: {why}"
         return reason

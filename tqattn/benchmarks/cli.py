@@ -9,6 +9,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from tqattn.engine.arg_utils import add_engine_args, kv_cache_dtype
+from tqattn.engine.arg_utils import engine_kwargs_from_args as engine_kwargs
 from tqattn.evals.cli import _positive
 
 
@@ -34,52 +36,36 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup-prompts", type=int, default=0,
                    help="generate this many prompts (up to 16 tokens each) before the measured run")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0, help="prompt token ids and engine seed")
     p.add_argument("--out-dir", default="bench_throughput", help="JSON, markdown and PNG go here")
-    add_engine_args(p)
+    _add_engine_args(p)
     p.set_defaults(func=cmd_throughput)
     return bench
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine flags of the benchmark (one place, to be shared with the other commands)."""
-    p.add_argument("--model", default="Qwen3-4B",
-                   help="HF model dir, .gguf, or a shipped config name (dummy weights), e.g. Qwen3-4B, Llama-3.1-8B")
-    p.add_argument("--load-format", default=None, choices=["auto", "dummy", "gguf", "safetensors"],
-                   help="default: dummy for a shipped config name, else auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--kv-cache-dtype-skip-layers", type=_skip_layers, default=[],
-                   help="comma-separated layer indices and/or 'sliding_window' kept full precision")
-    p.add_argument("--kv-cache-boundary-layers", type=int, default=0,
-                   help="keep the first and last N layers full precision (default 0: every layer "
-                        "uses the dtype under test)")
-    p.add_argument("--max-model-len", type=_positive, help="default: input + output length")
-    p.add_argument("--max-num-seqs", type=_positive, default=256)
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=8192)
-    p.add_argument("--block-size", type=_positive, default=16)
-    p.add_argument("--kv-cache-memory-bytes", type=_bytes,
-                   help="KV-cache budget, e.g. 8GiB (default: the workload's, else gpu_memory_utilization)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-gpu-blocks-override", type=_positive)
-    p.add_argument("--enforce-eager", action="store_true", help="no compilation, no CUDA graphs")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The shared engine flags with the benchmark's defaults (a shipped config with dummy weights,
+    every layer on the dtype under test, the anchor runs' step budget); the kv-cache dtype comes
+    from --kv-cache-dtypes and prefix caching is always off."""
+    add_engine_args(p)
+    p.set_defaults(model="Qwen3-4B", load_format=None, kv_cache_boundary_layers=0,
+                   max_model_len=None, max_num_batched_tokens=8192)
 
 
 def engine_kwargs_from_args(args, workload) -> dict:
-    """LLM(...) keyword arguments from add_engine_args' flags (prefix caching always off)."""
+    """LLM(...) keyword arguments from the engine flags, for one workload (--seed also seeds the
+    prompts)."""
     from tqattn.models import model_config_path
 
-    load_format = args.load_format or ("dummy" if model_config_path(args.model) is not None else "auto")
-    kw = dict(load_format=load_format, dtype=args.dtype, kv_cache_dtype_skip_layers=args.kv_cache_dtype_skip_layers,
-              kv_cache_boundary_layers=args.kv_cache_boundary_layers,
-              max_model_len=args.max_model_len or workload.input_len + workload.output_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, enable_prefix_caching=False,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes or workload.kv_cache_memory_bytes,
-              gpu_memory_utilization=args.gpu_memory_utilization,
-              num_gpu_blocks_override=args.num_gpu_blocks_override, seed=args.seed,
-              enforce_eager=args.enforce_eager, device=args.device)
-    return {k: v for k, v in kw.items() if v is not None}
+    args = argparse.Namespace(**vars(args))
+    if args.load_format is None:
+        args.load_format = "dummy" if model_config_path(args.model) is not None else "auto"
+    args.max_model_len = args.max_model_len or workload.input_len + workload.output_len
+    args.kv_cache_memory_bytes = args.kv_cache_memory_bytes or workload.kv_cache_memory_bytes
+    args.enable_prefix_caching = False
+    kw = engine_kwargs(args)
+    for name in ("model", "kv_cache_dtype"):
+        kw.pop(name)
+    return kw
 
 
 def cmd_throughput(args) -> int:
@@ -109,27 +95,8 @@ def cmd_throughput(args) -> int:
 
 
 def _str_list(s: str) -> list[str]:
-    items = [x.strip() for x in s.split(",") if x.strip()]
+    """Comma-separated kv-cache dtypes, each checked as --kv-cache-dtype is."""
+    items = [kv_cache_dtype(x.strip()) for x in s.split(",") if x.strip()]
     if not items:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {s!r}")
     return items
-
-
-def _skip_layers(s: str) -> list[int | str]:
-    return [int(x) if x.strip().lstrip("-").isdigit() else x.strip() for x in s.split(",") if x.strip()]
-
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
-
-
-def _bytes(s: str) -> int:
-    t = s.strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):]
-    try:
-        v = float(num) * _UNITS[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"expected a byte count like 8GiB, 512MiB or 1073741824, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive byte count, got {s!r}")
-    return int(v)

@@ -132,7 +132,7 @@ def summary_rows(result: dict) -> list[dict]:
             "max_step_ms": r["steps"]["max_step"]["wall_ms"] if r["steps"]["max_step"] else None,
             "preemptions": r["num_preemptions"],
             "recomputed_pct": 100 * r["recomputed_fraction_of_prompt_tokens"],
-            "compilations": None if comp is None else sum(comp.values()),
+            "compilations": None if comp is None else comp["total"],
             "step_check": f"{'ok' if r['step_check']['ok'] else 'FAIL'} ({r['step_check']['num_violations']})",
         })
     return rows
@@ -216,7 +216,7 @@ def markdown(result: dict) -> str:
         f" ({r['step_check']['num_violations']} of {r['step_check']['num_steps']} steps)")
     row("compilations after start-up", lambda r: "n/a (engine does not count them)"
         if r["compilations_after_startup"] is None else
-        ", ".join(f"{k} {v}" for k, v in r["compilations_after_startup"].items()) or "0")
+        _compilations(r["compilations_after_startup"]))
     row("KV capacity (tokens)", lambda r: f"{r['kv_capacity_tokens']:,} ({_gib(r['kv_cache_bytes'])})")
     row("peak concurrent sequences", lambda r: str(r["peak_concurrent_seqs"]))
     row("preemptions", lambda r: str(r["num_preemptions"]))
@@ -270,3 +270,9 @@ def plot_steps(result: dict, path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _compilations(c: dict) -> str:
+    """'Dynamo 0, Triton 1 (kernel names)'."""
+    names = c.get("dynamo_frames", []) + c.get("triton_kernels", [])
+    return f"Dynamo {c['dynamo']}, Triton {c['triton']}" + (f" ({'; '.join(names)})" if names else "")

@@ -50,7 +50,11 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A prompt is a string or {"prompt_token_ids": [...]}."""
+        """One RequestOutput per prompt, in order. A prompt is a string or {"prompt_token_ids": [...]}.
+
+        Text goes to the model as it is. An instruct model wants its chat template (:meth:`chat`):
+        given a bare question it may answer with its end-of-turn token at once (an empty reply).
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

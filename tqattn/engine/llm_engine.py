@@ -12,7 +12,8 @@ import torch
 
 from tqattn.attention.backend import AttentionLayerSpec
 from tqattn.attention.hf_attention import use_tqattn
-from tqattn.attention.selector import build_attention_layers, describe_plan, resolve_kv_cache_dtypes
+from tqattn.attention.selector import (FULL_PRECISION, build_attention_layers, describe_full_precision,
+                                       describe_plan, full_precision_layers, resolve_kv_cache_dtypes)
 from tqattn.models import load_model
 from tqattn.quant.presets import PRESETS
 
@@ -78,6 +79,7 @@ class EngineArgs:
         if self.enforce_eager and self.compile_model:
             raise ValueError("enforce_eager=True runs the model eagerly (no compilation, no CUDA "
                              "graphs); it cannot be combined with compile_model=True")
+        _check_device(self.device)
         if isinstance(self.kv_cache_dtype_skip_layers, (str, int)):
             self.kv_cache_dtype_skip_layers = [self.kv_cache_dtype_skip_layers]
         self.kv_cache_dtype_skip_layers = list(self.kv_cache_dtype_skip_layers or [])
@@ -89,6 +91,25 @@ def resolve_compile_model(args: EngineArgs, device: torch.device) -> bool:
     if args.compile_model is not None:
         return args.compile_model
     return device.type == "cuda" and not args.enforce_eager
+def _check_device(device: str | None) -> None:
+    """A device this process can use: None, "cpu", or "cuda[:N]" with a visible CUDA device."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; use 'cpu', 'cuda' or 'cuda:N' "
+                         f"(or None: cuda if available, else cpu)")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={device!r} but torch {torch.__version__} sees no CUDA device "
+                             f"(a CPU-only build, or no GPU visible); use device='cpu'")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device={device!r} but torch sees {count} CUDA device(s): "
+                             f"cuda:0..cuda:{count - 1}")
 
 
 @dataclass
@@ -185,8 +206,14 @@ class LLMEngine:
     def _attention_layers(self):
         """Each layer's spec from the HF config, its KV dtype from the routing, its backend."""
         args, info = self.args, self.model_info
-        dtypes = resolve_kv_cache_dtypes(info.num_layers, info.sliding_windows, args.kv_cache_dtype,
-                                         args.kv_cache_dtype_skip_layers, args.kv_cache_boundary_layers)
+        routing = (info.num_layers, info.sliding_windows)
+        dtypes = resolve_kv_cache_dtypes(*routing, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers,
+                                         args.kv_cache_boundary_layers)
+        if args.kv_cache_dtype in PRESETS and FULL_PRECISION in dtypes:
+            rules = full_precision_layers(*routing, args.kv_cache_dtype_skip_layers,
+                                          args.kv_cache_boundary_layers)
+            logger.warning("kv_cache_dtype=%s: %s keep a full-precision cache", args.kv_cache_dtype,
+                           describe_full_precision(rules, info.num_layers))
         specs = [AttentionLayerSpec(
             layer_idx=i, num_heads=info.num_q_heads, num_kv_heads=info.num_kv_heads,
             head_size=info.head_dim, scale=info.scaling, dtype=self.loaded.dtype,

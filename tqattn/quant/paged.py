@@ -15,7 +15,7 @@ kernel reading a tile of tokens issues wide coalesced loads:
   plane of field ``f`` starts at byte ``block_size * f.offset`` and holds that field for all
   ``block_size`` tokens, token after token (fp16 norms/scales/minimums therefore form a plain
   fp16 array ``[block_size]``);
-* a 3-bit code field whose size is a multiple of 3 (words of 8 codes in 3 bytes) is further
+* a 3-bit code field of whole words (a multiple of 8 codes, 8 codes in 3 bytes) is further
   split into three sub-planes: sub-plane ``s`` holds byte ``s`` of every word ``g``, token after
   token — so the bytes a kernel combines into one word sit at the same offset of three
   contiguous arrays. Inside a word the page uses its own bit order (:func:`page_word_bytes`):
@@ -38,7 +38,7 @@ kernel reading a tile of tokens issues wide coalesced loads:
 So byte ``j`` of field ``f`` of the token at page offset ``t`` (after the bit reorder of 3-bit
 words) lives at ``block_size·f.offset + s·block_size·G + t·G + g`` (token-major planes) or
 ``block_size·f.offset + s·block_size·G + g·block_size + t`` (3-bit key fields) with ``W = 3``
-(3-bit, size % 3 == 0) or 1, ``G = f.nbytes / W``, ``s = j % W``, ``g = j // W``;
+(3-bit, a multiple of 8 codes) or 1, ``G = f.nbytes / W``, ``s = j % W``, ``g = j // W``;
 :func:`page_positions` tabulates it.
 With block sizes that are multiples of 16 every plane starts 16-byte aligned. Pages are
 addressed through ``block_table`` with vLLM's slot convention ``slot = block·block_size +
@@ -74,8 +74,11 @@ def _is_fp16_field(f: Field) -> bool:
 
 
 def field_words(f: Field) -> int:
-    """Bytes per word of a packed field as laid out in the page: 3 for 3-bit sub-planes, else 1."""
-    return 3 if (not _is_fp16_field(f) and f.bits == 3 and f.nbytes % 3 == 0) else 1
+    """Bytes per word of a packed field as laid out in the page: 3 for 3-bit sub-planes, else 1.
+
+    Only whole words of 8 codes: 6 codes also fill 3 bytes (with 6 pad bits), but they are not a word.
+    """
+    return 3 if (not _is_fp16_field(f) and f.bits == 3 and f.count % 8 == 0) else 1
 
 
 def column_major(f: Field) -> bool:

@@ -27,6 +27,7 @@ KEY_CODECS = ("mse", "fp8")
 VALUE_CODECS = ("uniform", "tq")
 CORRECTIONS = ("none", "nc", "debias")
 MAX_OUTLIERS = 16
+MAX_OUTLIER_HEAD_DIM = 256  # an outlier's channel index is one byte
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,24 @@ class TQPreset:
 
     def __post_init__(self):
         _validate(self)
+
+    def head_dim_unsupported_reason(self, head_dim) -> str | None:
+        """Why this preset cannot encode vectors of ``head_dim`` coordinates (None: it can)."""
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 8 or head_dim % 2:
+            return f"head size {head_dim!r} not supported: need an even integer >= 8"
+        if self.key.outliers and head_dim > MAX_OUTLIER_HEAD_DIM:
+            return (f"preset {self.name} stores each outlier channel index in one byte, so head "
+                    f"size {head_dim} > {MAX_OUTLIER_HEAD_DIM} is not supported")
+        return None
+
+    def supports_head_dim(self, head_dim) -> bool:
+        return self.head_dim_unsupported_reason(head_dim) is None
+
+    def check_head_dim(self, head_dim) -> None:
+        """Raise ValueError naming the head size and the rule it breaks."""
+        reason = self.head_dim_unsupported_reason(head_dim)
+        if reason is not None:
+            raise ValueError(reason)
 
 
 def split_bits(bits: float, dim: int) -> tuple[int, int, int]:

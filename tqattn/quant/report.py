@@ -32,9 +32,17 @@ OUTLIER_SCALE = 8.0
 
 
 def preset_row(name: str, head_dim: int) -> dict:
-    p, lay = get_preset(name), build_layout(name, head_dim)
+    """One preset's bytes and codecs at ``head_dim``; ``supported`` False (with the reason and no
+    byte counts) when the preset cannot encode that head size."""
+    p = get_preset(name)
+    reason = p.head_dim_unsupported_reason(head_dim)
+    if reason is not None:
+        return {"preset": p.name, "head_dim": head_dim, "supported": False, "unsupported_reason": reason,
+                "slot_bytes": None, "bits_per_element": None, "compression_vs_bf16": None,
+                "description": p.description}
+    lay = build_layout(name, head_dim)
     return {
-        "preset": p.name, "head_dim": head_dim, "slot_bytes": lay.slot_bytes,
+        "preset": p.name, "head_dim": head_dim, "supported": True, "slot_bytes": lay.slot_bytes,
         "key_bytes": lay.key_bytes, "value_bytes": lay.value_bytes,
         "bits_per_element": round(lay.bits_per_element, 4),
         "compression_vs_bf16": round(lay.compression_vs_bf16, 3),
@@ -99,7 +107,10 @@ def key_codebook_rows(head_dim: int, seed: int = 0) -> list[dict]:
 
 
 def codec_report(head_dim: int = 128, presets: list[str] | None = None, seed: int = 0) -> dict:
-    names = presets or list(PRESETS)
+    # all presets: those that cannot encode head_dim are listed apart; named ones must encode it
+    names = presets or [n for n, p in PRESETS.items() if p.supports_head_dim(head_dim)]
+    unsupported = {} if presets else {n: p.head_dim_unsupported_reason(head_dim)
+                                      for n, p in PRESETS.items() if not p.supports_head_dim(head_dim)}
     rows = []
     for name in names:
         codec = TQCodec(name, head_dim, seed=seed)
@@ -108,4 +119,5 @@ def codec_report(head_dim: int = 128, presets: list[str] | None = None, seed: in
         row["gaussian"] = measure(codec, "gaussian", seed)
         rows.append(row)
     return {"head_dim": head_dim, "data": "outlier keys at top level; gaussian under 'gaussian'",
-            "presets": rows, "key_codebook": key_codebook_rows(head_dim, seed)}
+            "presets": rows, "unsupported": unsupported,
+            "key_codebook": key_codebook_rows(head_dim, seed)}

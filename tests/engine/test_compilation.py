@@ -122,13 +122,16 @@ def test_compilation_counts_after_startup(caplog):
         return x * 2
 
     late(torch.ones(3))
-    hook = pytest.importorskip("triton").knobs.runtime.jit_post_compile_hook
-    from triton.runtime.jit import JitFunctionInfo
+    listener = pytest.importorskip("triton").knobs.compilation.listener
 
-    # Triton calls this hook after building a new kernel variant (never under TRITON_INTERPRET)
+    def fake_kernel():
+        pass
+    fake_kernel.__module__ = "tqattn.kernels.fake"
+    fake_kernel.__name__ = "_fake_kernel"
+    src = type("Src", (), {"fn": fake_kernel})()
+    # Triton calls its listener from compile() on a new kernel variant (never under TRITON_INTERPRET)
     for _ in range(2):
-        hook(key="k", repr="r", fn=JitFunctionInfo("tqattn.kernels.fake", "_fake_kernel", None),
-             compile={}, is_manual_warmup=False, already_compiled=False)
+        listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=False)
     counts = engine.compilation_counts()
     assert (counts["dynamo"], counts["triton"], counts["total"]) == (1, 2, 3)
     assert "late" in counts["dynamo_frames"][0]
@@ -141,14 +144,17 @@ def test_compilation_counts_after_startup(caplog):
     assert len(warnings) == 2 and "_fake_kernel" in warnings[1] and "late" in warnings[0]
 
 
-def test_triton_hook_chains_the_previous_one():
+def test_triton_listener_chains_the_previous_one():
     seen = []
-    hook = compilation._on_triton_compile(lambda **kw: seen.append(kw["fn"]) or "prev")
-    fn = type("Info", (), {"module": "m", "name": "k"})()
+    listener = compilation._on_triton_compile(lambda **kw: seen.append(kw["src"]))
+
+    def k():
+        pass
+    k.__module__ = "m"
+    src = type("Src", (), {"fn": k})()
     before = compilation.mark()
-    assert hook(key=0, repr="", fn=fn, compile={}, is_manual_warmup=False,
-                already_compiled=False) == "prev"
-    assert seen == [fn] and compilation.since(before)["triton_kernels"] == ["m.k"]
+    listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=True)
+    assert seen == [src] and compilation.since(before)["triton_kernels"] == ["m.k"]
 
 
 def test_cache_dirs(monkeypatch, tmp_path):

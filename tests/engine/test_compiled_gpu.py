@@ -50,7 +50,8 @@ def test_compiled_equals_eager_teacher_forced(name, kv_cache_dtype, dtype):
         else:
             kl, top1 = _kl_and_top1(lp, ref)
             assert kl <= 1e-3 and top1 >= 0.97, (chunk, kl, top1)
-    assert compiled.llm_engine.compilation_counts()["total"] == 0
+    counts = compiled.llm_engine.compilation_counts()
+    assert counts["total"] == 0, counts
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "turboquant_k3v4_nc"])
@@ -78,7 +79,8 @@ def test_graphs_change_no_token_at_capture_sizes(kv_cache_dtype):
         finally:
             runner.graphs = graphs
         assert with_graphs == without, batch
-    assert llm.llm_engine.compilation_counts()["total"] == 0
+    counts = llm.llm_engine.compilation_counts()
+    assert counts["total"] == 0, counts
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -6,7 +6,7 @@ backed size of 1 would be specialized into a second graph). Attention inside is 
 ``tqattn::attention`` op.
 
 Compilations are counted process-wide: Dynamo frame compiles (a compile-start callback) and
-Triton/Gluon kernel variants built by Triton's JIT (``triton.knobs.runtime.jit_post_compile_hook``,
+Triton/Gluon kernel variants built by Triton's JIT (``triton.knobs.compilation.listener``,
 called only on a miss of the in-process kernel cache: a new specialization, compiled or loaded
 from Triton's disk cache). Kernels of Inductor's own generated code are built inside a Dynamo
 compile and counted with it. The engine takes a :func:`mark` when start-up ends;
@@ -81,15 +81,18 @@ def _on_dynamo_compile(args) -> None:
 
 
 def _on_triton_compile(prev):
-    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+    # Triton's compile listener, not its JIT hooks: those serialize every constexpr to JSON
+    # first, and the kernels take dataclass constexprs (kernels/_spec.py)
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        fn = getattr(src, "fn", None)
+        name = f"{fn.__module__}.{fn.__name__}" if fn is not None else str(getattr(src, "name", src))
         with _lock:
-            _triton.append(f"{fn.module}.{fn.name}")
+            _triton.append(name)
         if prev is not None:
-            return prev(key=key, repr=repr, fn=fn, compile=compile,
-                        is_manual_warmup=is_manual_warmup, already_compiled=already_compiled)
-        return None
-    hook._tqattn_counter = True
-    return hook
+            prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                 cache_hit=cache_hit)
+    listener._tqattn_counter = True
+    return listener
 
 
 def install() -> None:
@@ -104,9 +107,9 @@ def install() -> None:
             from triton import knobs
         except ImportError:
             return
-        prev = knobs.runtime.jit_post_compile_hook
+        prev = knobs.compilation.listener
         if not getattr(prev, "_tqattn_counter", False):
-            knobs.runtime.jit_post_compile_hook = _on_triton_compile(prev)
+            knobs.compilation.listener = _on_triton_compile(prev)
 
 
 def mark() -> tuple[int, int]:

@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if t.device == device:
-        return t
+    if t.device.type != "cpu":  # already on a device (cuda vs cuda:0 compare unequal)
+        return t.to(device)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

@@ -124,7 +124,6 @@ def fa3_rows(timers, fa3, q, k, v, seq_lens, bt, ref, base, bf16_bytes) -> list[
     """FA3 paged decode on the bf16 cache and on its fp8 (e4m3) copy; [] without FA3."""
     if fa3 is None:
         return []
-    b, hk = q.shape[0], k.shape[2]
     out = fa3_mod.decode_bf16(fa3, q, k, v, seq_lens, bt)
     cf = cosines(out, ref)
     r = timed_all(timers, lambda: fa3_mod.decode_bf16(fa3, q, k, v, seq_lens, bt))

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tqattn.quant.codec import FP8_MAX  # largest finite e4m3fn value
+
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0          # largest finite e4m3fn value
 _CHUNK = 1 << 26         # elements per conversion step: no full-size fp32 copy of a cache
 
 

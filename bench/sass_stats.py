@@ -26,11 +26,10 @@ import sys
 import tempfile
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernel_builds import capturing, compile_captured, fake_h200  # noqa: E402
+from bench.kernel_builds import _tool, capturing, compile_captured, fake_h200, resources  # noqa: E402
 from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
 from tqattn.quant.codec import TQCodec  # noqa: E402
 from tqattn.quant.paged import kv_cache_shape  # noqa: E402
@@ -67,8 +66,7 @@ def compile_decode(preset: str, d: int = 128, group: int = 4, block_size: int = 
 
 def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
     """(address, instruction) pairs and label → address."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                            "nvdisasm")
+    nvdisasm = _tool("nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -88,17 +86,6 @@ def disassemble(cubin: bytes) -> tuple[list[tuple[int, str]], dict[str, int]]:
             pending = []
             out.append((addr, m.group(2).strip()))
     return out, labels
-
-
-def resources(cubin: bytes) -> dict[str, int]:
-    """Registers per thread, shared memory and stack per program (cuobjdump -res-usage)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    return {k.lower(): int(v) for k, v in re.findall(r"(REG|SHARED|STACK):(\d+)", text)}
 
 
 def occupancy(res: dict[str, int], warps: int, shared: int) -> int:

@@ -12,10 +12,10 @@ are the kernels' module constants, set for each timing (``sizes``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -31,19 +31,6 @@ from tqattn.quant.codec import TQCodec  # noqa: E402
 HK, D, BS = 8, 128, 16
 
 
-@contextlib.contextmanager
-def sizes(module, **consts):
-    """The module's launch-size constants set to consts within the block."""
-    old = {k: getattr(module, k) for k in consts}
-    for k, v in consts.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
-
-
 def time_store(timer, codec, n, rows_per_program, block_k=None, num_warps=None):
     nb = n // BS + 1
     cache = torch.zeros(paged.kv_cache_shape(nb, BS, HK, codec), dtype=torch.uint8, device="cuda")
@@ -52,7 +39,7 @@ def time_store(timer, codec, n, rows_per_program, block_k=None, num_warps=None):
     consts = {"ROWS_PER_PROGRAM": rows_per_program}
     if block_k:   # decode-size steps (the sweep's n ≤ 128 tokens)
         consts.update(DECODE_BLOCK_K=block_k, DECODE_WARPS=num_warps)
-    with sizes(store, **consts):
+    with mock.patch.multiple(store, **consts):  # the module's launch-size constants
         return timer.graph_us(lambda: store_kv_triton(codec, k, v, cache, slots))
 
 
@@ -81,7 +68,7 @@ def time_dequant(timer, codec, batch, ctx, block_n, warps):
     cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * ctx
     out = tuple(torch.empty(batch * ctx, HK, D, dtype=torch.bfloat16, device="cuda")
                 for _ in range(2))
-    with sizes(dequant, BLOCK_N=block_n, NUM_WARPS=warps):
+    with mock.patch.multiple(dequant, BLOCK_N=block_n, NUM_WARPS=warps):
         return timer.graph_us(lambda: dequant_kv_triton(codec, cache, table, lens, cu, ctx,
                                                         torch.bfloat16, out))
 

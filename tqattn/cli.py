@@ -11,12 +11,9 @@ import sys
 
 
 def _print_table(rows: list[dict], cols: list[tuple[str, str]]) -> None:
-    cells = [[h for _, h in cols]] + [[_fmt(r.get(k)) for k, _ in cols] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
-    for j, line in enumerate(cells):
-        print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
-        if j == 0:
-            print("  ".join("-" * w for w in widths))
+    from .text_table import format_table
+
+    print(format_table([h for _, h in cols], [[_fmt(r.get(k)) for k, _ in cols] for r in rows]))
 
 
 def _fmt(x) -> str:

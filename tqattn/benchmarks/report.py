@@ -7,6 +7,8 @@ import logging
 import statistics
 from pathlib import Path
 
+from tqattn import text_table
+
 logger = logging.getLogger(__name__)
 
 STEP_RULE = ("no step takes more than 2x the median of the steps of its kind and size "
@@ -132,7 +134,7 @@ def summary_rows(result: dict) -> list[dict]:
             "max_step_ms": r["steps"]["max_step"]["wall_ms"] if r["steps"]["max_step"] else None,
             "preemptions": r["num_preemptions"],
             "recomputed_pct": 100 * r["recomputed_fraction_of_prompt_tokens"],
-            "compilations": None if comp is None else comp["total"],
+            "compilations": comp["total"],
             "step_check": f"{'ok' if r['step_check']['ok'] else 'FAIL'} ({r['step_check']['num_violations']})",
         })
     return rows
@@ -148,12 +150,8 @@ _TABLE = [("kv_cache_dtype", "kv-cache dtype", "{}"), ("output_tok_s", "out tok/
 
 
 def format_table(result: dict) -> str:
-    rows = summary_rows(result)
-    cells = [[h for _, h, _ in _TABLE]] + [[_f(row[k], fmt) for k, _, fmt in _TABLE] for row in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(_TABLE))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table.format_table([h for _, h, _ in _TABLE],
+                                   [[_f(row[k], fmt) for k, _, fmt in _TABLE] for row in summary_rows(result)])
 
 
 def _layers_summary(attention: list[dict]) -> str:
@@ -214,9 +212,7 @@ def markdown(result: dict) -> str:
             f"{r['steps']['by_kind'][k]['steps']}, {r['steps']['by_kind'][k]['total_s']:.2f} s")
     row("2x-median step check", lambda r: ("ok" if r["step_check"]["ok"] else "FAIL") +
         f" ({r['step_check']['num_violations']} of {r['step_check']['num_steps']} steps)")
-    row("compilations after start-up", lambda r: "n/a (engine does not count them)"
-        if r["compilations_after_startup"] is None else
-        _compilations(r["compilations_after_startup"]))
+    row("compilations after start-up", lambda r: _compilations(r["compilations_after_startup"]))
     row("KV capacity (tokens)", lambda r: f"{r['kv_capacity_tokens']:,} ({_gib(r['kv_cache_bytes'])})")
     row("peak concurrent sequences", lambda r: str(r["peak_concurrent_seqs"]))
     row("preemptions", lambda r: str(r["num_preemptions"]))
@@ -226,8 +222,7 @@ def markdown(result: dict) -> str:
     lines += ["", "Start-up breakdown (s):", ""]
     for r in res:
         st = r["startup_times"]
-        lines.append(f"- `{r['kv_cache_dtype']}`: " + ("n/a (engine does not report it)" if st is None else
-                                                       ", ".join(f"{k} {v:.2f}" for k, v in st.items())))
+        lines.append(f"- `{r['kv_cache_dtype']}`: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
     lines += ["", "Attention per layer:", ""]
     lines += [f"- `{r['kv_cache_dtype']}`: {_layers_summary(r['attention'])}" for r in res]
     lines += ["", f"Step check: {STEP_RULE}.", ""]

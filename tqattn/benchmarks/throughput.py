@@ -47,15 +47,8 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
     return torch.randint(0, vocab_size, (num_prompts, input_len), generator=g).tolist()
 
 
-def _counts(engine) -> dict[str, int] | None:
-    fn = getattr(engine, "compilation_counts", None)
-    return dict(fn()) if callable(fn) else None
-
-
-def _diff(after: dict | None, before: dict | None) -> dict | None:
+def _diff(after: dict, before: dict) -> dict:
     """What compiled between two compilation_counts(): counts subtract, name lists keep the tail."""
-    if after is None or before is None:
-        return None
     return {k: (v[len(before.get(k, [])):] if isinstance(v, list) else v - before.get(k, 0))
             for k, v in after.items()}
 
@@ -89,15 +82,14 @@ def run_dtype(model: str, kv_cache_dtype: str, workload: Workload, engine_kwargs
                          use_tqdm=False)
         engine.reset_stats()
         engine.record_steps()
-        counts_before = _counts(engine)
+        counts_before = engine.compilation_counts()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        counts_after = _counts(engine)
+        counts_after = engine.compilation_counts()
         records = engine.step_records
         engine.record_steps(False)
         stats = engine.stats()
-        startup_times = getattr(engine, "startup_times", None)
         result = {
             "kv_cache_dtype": kv_cache_dtype,
             "engine_args": dataclasses.asdict(engine.args),
@@ -115,7 +107,7 @@ def run_dtype(model: str, kv_cache_dtype: str, workload: Workload, engine_kwargs
             "num_recomputed_tokens": stats["num_recomputed_tokens"],
             "num_computed_tokens": stats["num_computed_tokens"],
             "startup_s": startup_s,
-            "startup_times": dict(startup_times) if startup_times is not None else None,
+            "startup_times": dict(engine.startup_times),
             "attention": _attention_versions(engine),
             "plan_groups": engine.plan["groups"],
             "timeline": report.timeline_columns(records),

@@ -91,6 +91,8 @@ def resolve_compile_model(args: EngineArgs, device: torch.device) -> bool:
     if args.compile_model is not None:
         return args.compile_model
     return device.type == "cuda" and not args.enforce_eager
+
+
 def _check_device(device: str | None) -> None:
     """A device this process can use: None, "cpu", or "cuda[:N]" with a visible CUDA device."""
     if device is None:

@@ -42,9 +42,7 @@ def decode_attention(codec, q, kv_cache, block_table, seq_lens, query_start_loc=
     decode_attention_triton` (the reference path ignores them). Returns q.dtype output on the
     Triton path, fp32 on the reference path.
     """
-    where = step.plan_decode_store(codec, q, kv_cache, query_start_loc, query_pos_start, window,
-                                   softcap)
-    if where != step.REFERENCE:
+    if step.triton_spec(codec, q, kv_cache) is not None:  # the Triton call plans the store
         return step.triton_module("decode").decode_attention_triton(
             codec, q, kv_cache, block_table, seq_lens, query_start_loc, query_pos_start, scale,
             window, softcap, return_lse, max_query_len=max_query_len, num_splits=num_splits,

@@ -61,19 +61,6 @@ def code_of(w, I: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def word_of(c, I: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr):
-    """Bits of code c as code I of a word (the inverse of code_of, to be OR-ed together)."""
-    if W == 3:
-        if I < 6:
-            b = c << (4 * I)
-        else:
-            b = (((c & 1) | ((c & 2) << 7) | ((c & 4) << 14)) << (4 * I - 21))
-    else:
-        b = c << (BITS * I)
-    return b
-
-
-@triton.jit
 def split_words(w, BITS: tl.constexpr, CPW: tl.constexpr, W: tl.constexpr):
     """Words [N, GP] → codes [N, GP·CPW], column g·CPW + i = code i of word g."""
     if CPW == 1:

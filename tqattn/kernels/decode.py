@@ -41,11 +41,6 @@ from ..quant.paged import cache_block_size
 from . import _asm, _tl, step, store
 from ._spec import default_scale, interpreted, kernel_spec, next_pow2, num_sms
 
-try:  # Gluon (triton.experimental) tensor-core path; optional
-    from . import decode_mma
-except ImportError:  # pragma: no cover - older triton without Gluon
-    decode_mma = None
-
 
 @triton.jit
 def _raw_field(cache_ptr, pbase, tip, ok, BS: tl.constexpr, OFF: tl.constexpr, W: tl.constexpr,
@@ -638,6 +633,8 @@ def _decode_mma(spec, q, kv_cache, block_table, seq_lens, scale, group, num_spli
                 return_lse, new_kv):
     """The tensor-core path (kernels/decode_mma.py): one launch that rotates the query, stores
     ``new_kv`` (if any) and merges the splits into ``out`` (and the LSE)."""
+    from . import decode_mma  # imports only with Gluon: step.tensor_cores checked it
+
     rows, hq, d = q.shape
     batch, hk = seq_lens.numel(), kv_cache.shape[1]
     if new_kv is not None:
@@ -699,7 +696,7 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     max_query_len = max(1, int(max_query_len))
     block_m = max(16, min(64, next_pow2(max_query_len * group)))
     row_blocks = triton.cdiv(max_query_len * group, block_m)
-    plain = query_start_loc is None and query_pos_start is None and not window and not softcap
+    plain = step.plain(query_start_loc, query_pos_start, window, softcap)
     if step.decode_kernel_store(spec, q, hk, plain) == step.DECODE_KERNEL:
         return _decode_mma(spec, q, kv_cache, block_table, seq_lens, default_scale(codec, scale),
                            group, num_splits, out, return_lse, new_kv)

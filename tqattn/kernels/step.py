@@ -29,6 +29,7 @@ import os
 import torch
 
 from ..quant.paged import cache_block_size
+from ._spec import kernel_spec
 
 log = logging.getLogger(__name__)
 _warned: set = set()
@@ -58,9 +59,10 @@ def triton_module(name: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _gluon() -> bool:
+def _tensor_core_module() -> bool:
+    """Whether kernels/decode_mma.py imports: a triton with Gluon and its mma_v2 layouts."""
     try:
-        importlib.import_module("triton.experimental.gluon")
+        importlib.import_module(f"{__package__}.decode_mma")
         return True
     except ImportError:
         return False
@@ -70,30 +72,42 @@ def tensor_cores(device) -> bool:
     """Whether the tensor-core decode kernel can run on this device (sm_80+, Gluon)."""
     device = torch.device(device)
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
-            and _gluon())
+            and _tensor_core_module())
+
+
+def plain(query_start_loc=None, query_pos_start=None, window=None, softcap=0.0) -> bool:
+    """One row per sequence, no window, no soft-cap: the calls the tensor-core kernel serves."""
+    return query_start_loc is None and query_pos_start is None and not window and not softcap
 
 
 def decode_kernel_store(spec, q: torch.Tensor, num_kv_heads: int, plain: bool) -> str:
-    """For a Triton decode call (spec: its KernelSpec; plain: one row per sequence, no window,
-    no soft-cap): DECODE_KERNEL where the tensor-core kernel serves it — it always stores a
-    step's new token itself — else STORE_KERNEL."""
+    """For a Triton decode call (spec: its KernelSpec; plain: see :func:`plain`): DECODE_KERNEL
+    where the tensor-core kernel serves it — it always stores a step's new token itself — else
+    STORE_KERNEL."""
     group = q.shape[1] // num_kv_heads
     if plain and spec.mma and group <= MAX_MMA_GROUP and tensor_cores(q.device):
         return DECODE_KERNEL
     return STORE_KERNEL
 
 
+def triton_spec(codec, q: torch.Tensor, kv_cache: torch.Tensor):
+    """The KernelSpec of a decode call the Triton kernels serve, or None where the reference
+    runs it (CPU tensors, no triton, a layout without a kernel: logged once)."""
+    if not use_triton(q) or triton_module("decode") is None:
+        return None
+    try:
+        return kernel_spec(codec, cache_block_size(codec, kv_cache))
+    except NotImplementedError as e:
+        fallback(f"decode {codec.preset.name}", e)
+        return None
+
+
 def plan_decode_store(codec, q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc=None,
                       query_pos_start=None, window=None, softcap=0.0) -> str:
     """Where this decode call's new K/V are written (and so which kernels run it):
     REFERENCE, STORE_KERNEL or DECODE_KERNEL (module docstring)."""
-    if not use_triton(q) or triton_module("decode") is None:
+    spec = triton_spec(codec, q, kv_cache)
+    if spec is None:
         return REFERENCE
-    from ._spec import kernel_spec
-    try:
-        spec = kernel_spec(codec, cache_block_size(codec, kv_cache))
-    except NotImplementedError as e:
-        fallback(f"decode {codec.preset.name}", e)
-        return REFERENCE
-    plain = query_start_loc is None and query_pos_start is None and not window and not softcap
-    return decode_kernel_store(spec, q, kv_cache.shape[1], plain)
+    return decode_kernel_store(spec, q, kv_cache.shape[1],
+                               plain(query_start_loc, query_pos_start, window, softcap))

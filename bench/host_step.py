@@ -82,7 +82,7 @@ def run(args) -> dict:
     _timed(engine.scheduler, "schedule", acc)
     _timed(engine.scheduler, "update_from_output", acc)
     _timed(runner, "_replay" if args.graphs else "_prepare", acc)
-    _timed(runner, "sampler", acc)
+    _timed(runner.sampler, "sample", acc)
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.decode_steps + 8, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
@@ -99,7 +99,7 @@ def run(args) -> dict:
         total = time.perf_counter() - t
         if i >= args.warmup:
             parts = {"schedule": acc["schedule"], "inputs": acc["_replay" if args.graphs else "_prepare"],
-                     "sampling": acc["sampler"], "update": acc["update_from_output"]}
+                     "sampling": acc["sample"], "update": acc["update_from_output"]}
             parts["engine (rest)"] = total - sum(parts.values())
             parts["total"] = total
             per_step.append(parts)

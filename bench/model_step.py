@@ -83,7 +83,7 @@ def model_outside_attention(model_name: str, sizes: list[int], backed: bool = Fa
         def call(n):
             a = [ids[:n].clone(), pos[:n].clone(), index[:n].clone()]
             for x in a:
-                torch._dynamo.mark_dynamic(x, 0, min=2)
+                torch._dynamo.mark_dynamic(x, 0, min=2, max=1 << 16)
             return fn(model, *a)
         t = time.perf_counter()
         call(max(sizes))
@@ -96,8 +96,46 @@ def model_outside_attention(model_name: str, sizes: list[int], backed: bool = Fa
     return out
 
 
+def profile_steps(step, n: int = 6, top: int = 14) -> dict:
+    """torch.profiler over n engine steps: GPU kernel time and busy fraction per step, the
+    kernels that take most of it, and the host ops that take most CPU time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t) * 1e3 / n
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    first = spans[0][0] if spans else 0.0
+    kernels: dict[str, list[float]] = {}
+    for e in events:
+        k = kernels.setdefault(e.name[:90], [0.0, 0])
+        k[0] += e.time_range.elapsed_us()
+        k[1] += 1
+    cpu = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                 key=lambda e: -e.self_cpu_time_total)[:top]
+    return {"steps": n, "wall_ms": wall_ms,
+            "gpu_kernel_ms": sum(e.time_range.elapsed_us() for e in events) / 1e3 / n,
+            "gpu_busy_ms": busy / 1e3 / n,
+            "gpu_span_ms": (end - first) / 1e3 / n if spans else 0.0,
+            "top_kernels": [{"name": k, "ms_per_step": v[0] / 1e3 / n, "count_per_step": v[1] / n}
+                            for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
+            "top_cpu_ops": [{"name": e.key[:90], "self_cpu_ms_per_step": e.self_cpu_time_total
+                             / 1e3 / n, "count_per_step": e.count / n} for e in cpu]}
+
+
 def decode_steps(model_name: str, kv_cache_dtype: str, sizes: list[int], ctx: int,
-                 steps: int, kv_bytes: int) -> dict:
+                 steps: int, kv_bytes: int, profile: bool = False) -> dict:
     from tqattn import LLM, SamplingParams
 
     llm = LLM(model_name, load_format="dummy", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
@@ -122,6 +160,8 @@ def decode_steps(model_name: str, kv_cache_dtype: str, sizes: list[int], ctx: in
             engine.step()
             times.append((time.perf_counter() - t) * 1e3)
         out["step_ms"][b] = statistics.median(times)
+        if profile:
+            out.setdefault("profile", {})[b] = profile_steps(engine.step)
         for rid in rids:
             engine.abort_request(rid)
     out["compilations_after_startup"] = engine.compilation_counts()
@@ -143,20 +183,27 @@ def main() -> int:
     p.add_argument("--backed", action="store_true",
                    help="also time the trivial forward compiled with a backed dynamic token size")
     p.add_argument("--skip-engine", action="store_true", help="only the trivial forward")
+    p.add_argument("--skip-trivial", action="store_true", help="only the engine's steps")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile a few decode steps per batch size (torch.profiler)")
     p.add_argument("--out", default="model_step.json")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    result = {"env": environment(), "args": vars(args),
-              "trivial": model_outside_attention(args.model, sizes, args.backed), "engine": {}}
+    result = {"env": environment(), "args": vars(args), "engine": {},
+              "trivial": None if args.skip_trivial else model_outside_attention(args.model, sizes,
+                                                                                args.backed)}
     gc.collect()
     torch.cuda.empty_cache()
     for dtype in ([] if args.skip_engine else args.kv_cache_dtypes.split(",")):
         result["engine"][dtype] = decode_steps(args.model, dtype, sizes, args.ctx, args.steps,
-                                               int(args.kv_cache_gib * 2**30))
+                                               int(args.kv_cache_gib * 2**30),
+                                               args.profile)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
 
-    tr = result["trivial"]
+    tr = result["trivial"] or {"compile_s": float("nan"), "graph_breaks": None,
+                               "eager_ms": dict.fromkeys(sizes, float("nan")),
+                               "compiled_ms": dict.fromkeys(sizes, float("nan"))}
     print(f"\n{args.model}, trivial attention op: compile {tr['compile_s']:.1f} s, "
           f"graph breaks {tr['graph_breaks'] or 'none'}")
     dtypes = list(result["engine"])
@@ -175,6 +222,16 @@ def main() -> int:
         c = e["compilations_after_startup"]
         print(f"{d}: start-up {parts}; compilations after start-up: Dynamo {c['dynamo']}, "
               f"Triton {c['triton']} {c['triton_kernels'][:5]}")
+    for d in dtypes:
+        for b, pr in result["engine"][d].get("profile", {}).items():
+            print(f"\n{d} B={b}: wall {pr['wall_ms']:.2f} ms/step, GPU kernels "
+                  f"{pr['gpu_kernel_ms']:.2f}, busy {pr['gpu_busy_ms']:.2f}, span "
+                  f"{pr['gpu_span_ms']:.2f}")
+            for k in pr["top_kernels"]:
+                print(f"  {k['ms_per_step']:7.3f} ms {k['count_per_step']:6.1f}x  {k['name']}")
+            for k in pr["top_cpu_ops"][:8]:
+                print(f"  cpu {k['self_cpu_ms_per_step']:7.3f} ms {k['count_per_step']:6.1f}x  "
+                      f"{k['name']}")
     if args.backed:
         print("backed token size: compile %.1f s; " % tr["backed_compile_s"] + ", ".join(
             f"B={b}: {tr['backed_ms'][b]:.2f} ms" for b in sizes))

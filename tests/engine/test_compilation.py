@@ -128,14 +128,18 @@ def test_compilation_counts_after_startup(caplog):
         pass
     fake_kernel.__module__ = "tqattn.kernels.fake"
     fake_kernel.__name__ = "_fake_kernel"
-    src = type("Src", (), {"fn": fake_kernel})()
+    fake_kernel.arg_names = ["x_ptr", "n", "BLOCK"]
     # Triton calls its listener from compile() on a new kernel variant (never under TRITON_INTERPRET)
-    for _ in range(2):
+    for n_attrs in ({}, {(1,): [["tt.divisibility", 16]]}):
+        src = type("Src", (), {"fn": fake_kernel, "constants": {(2,): 64}, "attrs": n_attrs})()
         listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=False)
     counts = engine.compilation_counts()
     assert (counts["dynamo"], counts["triton"], counts["total"]) == (1, 2, 3)
     assert "late" in counts["dynamo_frames"][0]
-    assert counts["triton_kernels"] == ["tqattn.kernels.fake._fake_kernel"] * 2
+    # each build says how it differs from the closest earlier one: which argument specialized
+    assert counts["triton_kernels"] == [
+        "tqattn.kernels.fake._fake_kernel (the kernel's first build)",
+        "tqattn.kernels.fake._fake_kernel (n: plain -> tt.divisibility=16)"]
     prompt = {"prompt_token_ids": [5, 6, 7]}
     with caplog.at_level(logging.WARNING, logger="tqattn.engine.compilation"):
         for _ in range(2):  # the next model call logs each new name once
@@ -154,7 +158,7 @@ def test_triton_listener_chains_the_previous_one():
     src = type("Src", (), {"fn": k})()
     before = compilation.mark()
     listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=True)
-    assert seen == [src] and compilation.since(before)["triton_kernels"] == ["m.k"]
+    assert seen == [src] and compilation.since(before)["triton_kernels"][-1].startswith("m.k (")
 
 
 def test_cache_dirs(monkeypatch, tmp_path):

@@ -61,7 +61,7 @@ def test_graphs_change_no_token_at_capture_sizes(kv_cache_dtype):
     assert runner.compile_model and sorted(runner.graphs) == [1, 2, 4, 8]
     replays = []
     replay = runner._replay
-    runner._replay = lambda scheduled: replays.append(len(scheduled)) or replay(scheduled)
+    runner._replay = lambda scheduled, *a: replays.append(len(scheduled)) or replay(scheduled, *a)
     for batch in (1, 2, 4, 8):
         prompts = [{"prompt_token_ids": p} for p in random_prompts([5 + 7 * i for i in range(batch)],
                                                                    seed=batch)]

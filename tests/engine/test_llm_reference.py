@@ -144,14 +144,14 @@ def record_chunks(llm):
     """Spy on llm's model runner; returns {request_id: [(start, n), ...]} filled as it runs."""
     runner = llm.llm_engine.runner
     chunks = defaultdict(list)
-    execute = runner.execute_model
+    launch = runner.launch
 
     def spy(scheduled, *args, **kwargs):
         for s in scheduled:
             chunks[s.seq.seq_id].append((s.num_computed_tokens, s.num_scheduled_tokens))
-        return execute(scheduled, *args, **kwargs)
+        return launch(scheduled, *args, **kwargs)
 
-    runner.execute_model = spy
+    runner.launch = spy
     return chunks
 
 

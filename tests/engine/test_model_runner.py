@@ -174,6 +174,6 @@ def test_decode_graph_replay_equals_eager(monkeypatch, one_thread, name, kwargs)
     assert sorted(runner.graphs) == [1, 2, 4]
     replays = []
     replay = runner._replay
-    monkeypatch.setattr(runner, "_replay", lambda s: replays.append(len(s)) or replay(s))
+    monkeypatch.setattr(runner, "_replay", lambda s, *a: replays.append(len(s)) or replay(s, *a))
     assert run(graphs) == run(LLM(name, **common))
     assert {1, 3, 4} <= set(replays)  # padded buckets too (3 requests in the 4-bucket)

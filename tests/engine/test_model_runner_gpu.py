@@ -38,7 +38,7 @@ def test_cudagraph_decode_equals_eager(name, kwargs):
     assert sorted(runner.graphs) == [1, 2, 4, 8] and not eager.llm_engine.runner.graphs
     replays = []
     replay = runner._replay
-    runner._replay = lambda scheduled: replays.append(len(scheduled)) or replay(scheduled)
+    runner._replay = lambda scheduled, *a: replays.append(len(scheduled)) or replay(scheduled, *a)
     assert _run(graphs) == _run(eager)
     assert set(replays) >= {1, 2, 6}
 

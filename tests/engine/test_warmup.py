@@ -61,3 +61,26 @@ def test_warmup_runs_every_turboquant_path(monkeypatch):
     assert any(d and s and lg for d, p, s, lg in seen)                    # all in one step
     bm = engine.block_manager
     assert all(bm.num_free_blocks(g) == n for g, n in enumerate(bm.num_blocks))
+
+
+def test_steps_add_the_backends_token_counts_and_a_full_mixed_step():
+    steps = warmup_steps(16, 512, 4096, 16, token_counts=[7, 300, 9000])
+    prefill_sizes = {s[0][1] for s in steps if len(s) == 1 and s[0][0] == 0}
+    assert {7, 300, 512} <= prefill_sizes  # 9000 clipped to the budget
+    # the most decodes a mixed step can carry (the decode kernel's split count may be 1 there)
+    assert any(len(s) == 16 and s[-1][0] == 0 and all(n == 1 for _, n in s[:-1]) for s in steps)
+
+
+@pytest.mark.parametrize("preset,hk", [("turboquant_k3v4_nc", 8), ("turboquant_k3v4_nc", 1),
+                                       ("tq_k4v3", 2), ("turboquant_k8v4", 4)])
+def test_store_token_counts_reach_every_store_build(preset, hk):
+    store = pytest.importorskip("tqattn.kernels.store")
+    from tqattn.kernels._spec import kernel_spec
+    from tqattn.attention.turboquant import get_codec
+
+    codec = get_codec(preset, 128)
+    spec = kernel_spec(codec, 16)
+    counts = store.warmup_token_counts(codec, hk, 16, "cpu", 2048)  # "cpu": 4 SMs stand in
+    builds = {store._launch_variant(spec, n * hk, "cpu") for n in range(1, 2049)}
+    assert len(builds) > 1 and len(counts) == len(builds)
+    assert {store._launch_variant(spec, n * hk, "cpu") for n in counts} == builds

@@ -174,6 +174,13 @@ class AttentionBackend(ABC):
         return n * torch.empty((), dtype=cls.kv_cache_torch_dtype(spec)).element_size()
 
     @classmethod
+    def warmup_token_counts(cls, spec: AttentionLayerSpec, block_size: int,
+                            device: torch.device | str, max_tokens: int) -> list[int]:
+        """Step token counts (<= max_tokens) the start-up warm-up should run, beyond its step
+        kinds, so that every kernel build this layer can launch compiles before the run."""
+        return []
+
+    @classmethod
     def unsupported_reason(cls, spec: AttentionLayerSpec) -> str | None:
         """Why this backend cannot run the layer, or None if it can."""
         if not cls.accepts_kv_cache_dtype(spec.kv_cache_dtype):

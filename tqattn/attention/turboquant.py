@@ -313,6 +313,13 @@ class TurboQuantBackend(AttentionBackend):
         return torch.uint8
 
     @classmethod
+    def warmup_token_counts(cls, spec, block_size, device, max_tokens):
+        # the store kernel's build follows the step's row count (kernels/store.py)
+        return _kernels().store_warmup_token_counts(get_codec(spec.kv_cache_dtype, spec.head_size),
+                                                    spec.num_kv_heads, block_size, device,
+                                                    max_tokens)
+
+    @classmethod
     def unsupported_reason(cls, spec: AttentionLayerSpec) -> str | None:
         if spec.dtype not in MODEL_DTYPES:
             return f"model dtype {spec.dtype} not supported by {cls.name} (fp16, bf16, fp32)"

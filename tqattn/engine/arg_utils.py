@@ -149,6 +149,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("enforce_eager", action="store_true", help="no compiled model, no CUDA graphs")
     flag("compile_model", action=argparse.BooleanOptionalAction,
          help="torch.compile the model at start-up (default: on CUDA unless --enforce-eager)")
+    flag("async_scheduling", action=argparse.BooleanOptionalAction,
+         help="launch each step before reading the previous step's tokens, overlapping host and "
+              "device work (default: on CUDA)")
     flag("seed", type=int, help="engine seed (weights of dummy models, sampling of unseeded requests)")
     return parser
 

@@ -71,7 +71,7 @@ def graph_breaks() -> dict[str, int]:
 
 _lock = threading.Lock()
 _dynamo: list[str] = []   # compile ids, in order
-_triton: list[str] = []   # kernel names, in order
+_triton: list[tuple[str, dict]] = []   # (kernel name, its specialization), in order
 _warned: set[str] = set()
 
 
@@ -87,12 +87,45 @@ def _on_triton_compile(prev):
         fn = getattr(src, "fn", None)
         name = f"{fn.__module__}.{fn.__name__}" if fn is not None else str(getattr(src, "name", src))
         with _lock:
-            _triton.append(name)
+            _triton.append((name, _specialization(src)))
         if prev is not None:
             prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                  cache_hit=cache_hit)
     listener._tqattn_counter = True
     return listener
+
+
+def _specialization(src) -> dict[str, str]:
+    """What a kernel build was specialized on, by argument name: scalar constexprs (an integer
+    argument equal to 1 included) and attributes such as divisibility by 16. Arguments of neither
+    kind are absent."""
+    names = getattr(getattr(src, "fn", None), "arg_names", None)
+    if names is None:
+        return {}
+    out = {}
+    for key, value in getattr(src, "constants", {}).items():
+        if len(key) == 1 and isinstance(value, (bool, int, float, str, type(None))):
+            out[names[key[0]]] = repr(value)
+    for key, attrs in getattr(src, "attrs", {}).items():
+        if len(key) == 1:
+            out[names[key[0]]] = ",".join(f"{a}={v}" for a, v in attrs)
+    return out
+
+
+def _differs(spec: dict, earlier: list[dict]) -> str:
+    """The arguments in which a build differs from the closest earlier build of its kernel."""
+    if not earlier:
+        return "the kernel's first build"
+    def diff(other):
+        return sorted(k for k in spec.keys() | other.keys() if spec.get(k) != other.get(k))
+    best = min((diff(e) for e in earlier), key=len)
+    return "; ".join(f"{k}: {_closest_value(k, earlier)} -> {spec.get(k, 'plain')}"
+                     for k in best) or "the same specialization as an earlier build"
+
+
+def _closest_value(arg: str, earlier: list[dict]) -> str:
+    values = sorted({e.get(arg, "plain") for e in earlier})
+    return "/".join(values)
 
 
 def install() -> None:
@@ -136,9 +169,13 @@ def _frame_names(compile_ids: list[str]) -> list[str]:
 def since(start: tuple[int, int]) -> dict:
     """Compilations after ``start``: counts and what compiled."""
     with _lock:
-        dynamo, triton = _dynamo[start[0]:], _triton[start[1]:]
+        dynamo, before, triton = _dynamo[start[0]:], _triton[:start[1]], _triton[start[1]:]
+    kernels = []
+    for i, (name, spec) in enumerate(triton):
+        earlier = [s for n, s in before + triton[:i] if n == name]
+        kernels.append(f"{name} ({_differs(spec, earlier)})")
     return {"dynamo": len(dynamo), "triton": len(triton), "total": len(dynamo) + len(triton),
-            "dynamo_frames": _frame_names(dynamo), "triton_kernels": triton}
+            "dynamo_frames": _frame_names(dynamo), "triton_kernels": kernels}
 
 
 def warn_new(start: tuple[int, int], seen: tuple[int, int]) -> tuple[int, int]:
@@ -150,7 +187,7 @@ def warn_new(start: tuple[int, int], seen: tuple[int, int]) -> tuple[int, int]:
     new = since((max(start[0], seen[0]), max(start[1], seen[1])))
     for kind, names in (("Dynamo", new["dynamo_frames"]), ("Triton kernel", new["triton_kernels"])):
         for name in names:
-            key = name if kind != "Dynamo" else name.split(" ", 2)[-1]
+            key = name.split(" (")[0] if kind != "Dynamo" else name.split(" ", 2)[-1]
             if key not in _warned:
                 _warned.add(key)
                 logger.warning("compilation after start-up (a stall of this step): %s %s; "

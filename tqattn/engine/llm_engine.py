@@ -1,4 +1,13 @@
-"""The engine: model + per-layer KV-cache plan + scheduler + model runner; add_request/step/abort."""
+"""The engine: model + per-layer KV-cache plan + scheduler + model runner; add_request/step/abort.
+
+Async scheduling (``async_scheduling``, on by default on CUDA): ``step()`` schedules and launches
+step N+1 before it waits for step N's sampled tokens, so the host's work for a step (schedule,
+inputs, bookkeeping, outputs) overlaps the device's work on the one before. Scheduling needs
+only lengths: each sequence that sampled in step N carries a placeholder token until the values
+arrive (tqattn/engine/sampled.py), and a max_tokens finish is known at once. What depends on a
+value — an EOS or stop token, a stop string — is applied when it arrives; a sequence it finishes
+has had one more token computed in the step already launched, which is dropped.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ from .config import SchedulerConfig
 from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks, kv_cache_groups
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, StepRecord
+from .sampled import PLACEHOLDER, SampledTokens
 from .sampling import SamplingParams, make_generator
 from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import Sequence, SequenceStatus
@@ -56,6 +66,7 @@ class EngineArgs:
     device: str | None = None  # None: cuda if available, else cpu
     enforce_eager: bool = False  # no CUDA graphs and no compiled model
     compile_model: bool | None = None  # torch.compile the model; None: on CUDA unless enforce_eager
+    async_scheduling: bool | None = None  # launch step N+1 before reading N's tokens; None: on CUDA
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -76,6 +87,9 @@ class EngineArgs:
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.compile_model is not None and not isinstance(self.compile_model, bool):
             raise ValueError(f"compile_model must be True or False or None, got {self.compile_model!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False or None, got "
+                             f"{self.async_scheduling!r}")
         if self.enforce_eager and self.compile_model:
             raise ValueError("enforce_eager=True runs the model eagerly (no compilation, no CUDA "
                              "graphs); it cannot be combined with compile_model=True")
@@ -112,6 +126,14 @@ def _check_device(device: str | None) -> None:
         if dev.index is not None and dev.index >= count:
             raise ValueError(f"device={device!r} but torch sees {count} CUDA device(s): "
                              f"cuda:0..cuda:{count - 1}")
+
+
+@dataclass
+class _Inflight:
+    """A launched step whose sampled tokens the host has not read yet."""
+    out: Any  # SchedulerOutput
+    tokens: SampledTokens
+    finished: list = field(default_factory=list)  # finished by length when it was launched
 
 
 @dataclass
@@ -172,8 +194,10 @@ class LLMEngine:
         runner.allocate_kv_cache(num_blocks)
         done("kv_cache")
         if compile_model or cuda:  # the first use of each kernel variant compiles it
+            extra = sorted({n for layer in self.layers for n in layer.backend.warmup_token_counts(
+                layer.spec, args.block_size, self.device, args.max_num_batched_tokens)})
             run_warmup(runner, warmup_steps(args.max_num_seqs, args.max_num_batched_tokens,
-                                            loaded.max_model_len, args.block_size))
+                                            loaded.max_model_len, args.block_size, extra))
         done("warmup")
         if cuda and not args.enforce_eager:
             runner.capture_cudagraphs(args.max_num_seqs, loaded.max_model_len)
@@ -184,6 +208,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self._eos_token_ids())
         self.requests: dict[Hashable, _Request] = {}
         self.step_records: list[StepRecord] | None = None  # see record_steps()
+        self.async_scheduling = (cuda if args.async_scheduling is None else args.async_scheduling)
+        self._inflight: _Inflight | None = None
         self.plan = describe_plan(self.layers, args.block_size)
         self.plan.update(num_blocks=num_blocks, block_size=args.block_size,
                          cache_tokens=self.kv_cache_config.num_tokens,
@@ -294,7 +320,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- scoring ---------------------------------------------------------------------------------
 
@@ -338,7 +364,6 @@ class LLMEngine:
     def record_steps(self, enable: bool = True) -> None:
         """Start (or stop) recording a StepRecord per step in ``step_records`` (a fresh list)."""
         self.step_records = [] if enable else None
-        self.runner.measure_device_wait = enable
 
     def stats(self) -> dict:
         """Scheduler counters: preemptions, recomputed tokens, computed tokens, peak running."""
@@ -348,38 +373,71 @@ class LLMEngine:
         self.scheduler.stats = SchedulerStats()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; return the outputs of the requests that finished in it."""
+        """Schedule and run one step; return the outputs of the requests that finished.
+
+        With async scheduling the step is launched before the tokens of the step before it are
+        read (module docstring), so a request's output comes from the call after the one that
+        computed its last token."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        now = time.perf_counter()
-        for s in out.scheduled:
-            m = self.requests[s.seq.seq_id].metrics
-            m.first_scheduled_time = m.first_scheduled_time or now
-        generators = {r.request_id: r.generator for r in self.requests.values() if r.generator is not None}
-        sampled = self.runner.execute_model(out.scheduled, generators)
-        finished = self.scheduler.update_from_output(out, sampled)
-        now = time.perf_counter()
-        for seq_id in sampled:
-            req = self.requests[seq_id]
-            req.metrics.first_token_time = req.metrics.first_token_time or now
-            if req.params.stop and req.stop_string is None:
-                self._check_stop_strings(req, finished)
+        prev, launched = self._inflight, None
+        self._inflight = None
+        if not out.is_empty:
+            for s in out.scheduled:
+                m = self.requests[s.seq.seq_id].metrics
+                m.first_scheduled_time = m.first_scheduled_time or start
+            generators = {r.request_id: r.generator for r in self.requests.values()
+                          if r.generator is not None}
+            tokens = self.runner.launch(out.scheduled, generators, prev.tokens if prev else None)
+            launched = _Inflight(out, tokens)
+        finished, wait = [], 0.0
+        if prev is not None:  # its tokens before this step's placeholders
+            wait = self._complete(prev, finished)
+        if launched is not None:
+            launched.finished = self.scheduler.update_from_output(
+                out, dict.fromkeys(launched.tokens.seq_ids, PLACEHOLDER))
+            if self.async_scheduling:
+                self._inflight = launched
+            else:
+                wait = self._complete(launched, finished)
         outputs = []
+        now = time.perf_counter()
         for seq in finished:
-            req = self.requests.pop(seq.seq_id)
-            req.metrics.finished_time = now
-            outputs.append(self._output(req))
-        if self.step_records is not None:
-            self._record_step(out, start)
+            req = self.requests.pop(seq.seq_id, None)
+            if req is not None:  # None: aborted while its last step ran
+                req.metrics.finished_time = now
+                outputs.append(self._output(req))
+        if self.step_records is not None and launched is not None:
+            self._record_step(out, start, wait)
         return outputs
 
-    def _record_step(self, out, start: float) -> None:
+    def _complete(self, step: _Inflight, finished: list[Sequence]) -> float:
+        """Put a launched step's sampled tokens in place of its placeholders and apply what
+        depends on their values (stop tokens, stop strings); extend ``finished`` with the
+        sequences it finished. Returns the seconds spent waiting for the device."""
+        t = time.perf_counter()
+        values = step.tokens.host()
+        now = time.perf_counter()
+        finished.extend(step.finished)
+        for seq_id, token in zip(step.tokens.seq_ids, values):
+            req = self.requests.get(seq_id)
+            if req is None:  # aborted meanwhile
+                continue
+            seq = req.seq
+            if seq.token_ids[-1] != PLACEHOLDER:  # not advanced by the step (finished before it)
+                continue
+            seq.token_ids[-1] = token
+            req.metrics.first_token_time = req.metrics.first_token_time or now
+            if self.scheduler.stop_on_token(seq, token):
+                finished.append(seq)
+            if req.params.stop and req.stop_string is None:
+                self._check_stop_strings(req, finished)
+        return now - t
+
+    def _record_step(self, out, start: float, wait: float) -> None:
         wall = time.perf_counter() - start
         n, nd = len(out.scheduled), out.num_decodes
         kind = "decode" if nd == n else "prefill" if nd == 0 else "mixed"
-        wait = self.runner.last_device_wait_s if self.runner.measure_device_wait else 0.0
         self.step_records.append(StepRecord(
             kind=kind, num_tokens=out.num_batched_tokens, num_seqs=n, num_decodes=nd,
             graph_bucket=self.runner.last_graph_bucket, wall_ms=wall * 1e3, host_ms=(wall - wait) * 1e3,

@@ -21,7 +21,6 @@ TURBOQUANT, FLASH_ATTN); a model with a layer on any other backend runs decode e
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Hashable
 
 import torch
@@ -31,6 +30,7 @@ from tqattn.attention.forward_context import ForwardContext, set_forward_context
 
 from . import compilation
 from .input_batch import InputBatch
+from .sampled import SampledTokens
 from .kv_cache import KVCacheGroup, allocate_kv_caches
 from .sampling import Sampler, SamplingParams
 from .scheduler import ScheduledSeq
@@ -68,10 +68,6 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, logits)
         self.input_batch = InputBatch(len(groups), block_size, device)
         self.last_graph_bucket: int | None = None  # of the last step; None: it ran without a graph
-        # When set (the engine's step timeline), each step waits for the device before sampling
-        # and records how long: the rest of the step's wall time is host time.
-        self.measure_device_wait = False
-        self.last_device_wait_s = 0.0
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = {}  # captured over the old tensors
@@ -103,25 +99,34 @@ class ModelRunner:
     def execute_model(self, scheduled: list[ScheduledSeq],
                       generators: dict[Hashable, torch.Generator] | None = None) -> dict[Hashable, int]:
         """Run one step; return the sampled token of each request whose chunk reached its end."""
+        sampled = self.launch(scheduled, generators)
+        return dict(zip(sampled.seq_ids, sampled.host()))
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledSeq],
+               generators: dict[Hashable, torch.Generator] | None = None,
+               pending: SampledTokens | None = None) -> SampledTokens:
+        """Queue one step on the device: inputs, forward, sampling, the copy of the tokens to the
+        host; nothing waits for the device. ``pending``: the tokens of the step before, still in
+        flight, that this step's placeholders stand for (module sampled.py)."""
+        sampling = [s.seq for s in scheduled if s.samples]
         if not scheduled:
-            return {}
+            return SampledTokens([], None)
         self.last_graph_bucket = self._graph_bucket(scheduled)
         if self.last_graph_bucket is not None:
-            logits = self._replay(scheduled)
+            logits = self._replay(scheduled, pending)
         else:
             input_ids, positions, metadata, sample_idx = self._prepare(scheduled)
+            if pending is not None:
+                input_ids = _to_device(input_ids, self.device)
+                pending.feed(input_ids, scheduled)
             logits = self.forward(input_ids, positions, metadata, sample_idx)
-        if self.measure_device_wait and self.device.type == "cuda":
-            t = time.perf_counter()
-            torch.cuda.current_stream(self.device).synchronize()
-            self.last_device_wait_s = time.perf_counter() - t
-        sampling = [s.seq for s in scheduled if s.samples]
         if not sampling:
-            return {}
+            return SampledTokens([], None)
         generators = generators or {}
-        tokens = self.sampler(logits, [seq.sampling_params for seq in sampling],
-                              [generators.get(seq.seq_id) for seq in sampling])
-        return {seq.seq_id: t for seq, t in zip(sampling, tokens)}
+        tokens = self.sampler.sample(logits, [seq.sampling_params for seq in sampling],
+                                     [generators.get(seq.seq_id) for seq in sampling])
+        return SampledTokens([seq.seq_id for seq in sampling], tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list,
                 sample_idx: list[int]) -> torch.Tensor:
@@ -252,9 +257,11 @@ class ModelRunner:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", buckets)
 
-    def _replay(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def _replay(self, scheduled: list[ScheduledSeq], pending: SampledTokens | None = None) -> torch.Tensor:
         bucket, n = self._graph_bucket(scheduled), len(scheduled)
         self.input_batch.prepare_decode(scheduled, bucket, self.static)
+        if pending is not None:
+            pending.feed(self.static["input_ids"], scheduled)
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:n]

@@ -74,9 +74,14 @@ class Sampler:
             g = self._generators[device.type] = torch.Generator(device=device).manual_seed(self.seed)
         return g
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
+        return self.sample(logits, params, generators).tolist()
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> torch.Tensor:
+        """The token ids (B,) int64, on the logits' device; nothing waits for the device."""
         logits = logits.float()
         out = logits.argmax(-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -95,7 +100,7 @@ class Sampler:
                 if generators[i] is not None:  # seeded: its own stream, whatever the batch
                     q[j].exponential_(generator=generators[i])
             out[idx] = (probs / q).argmax(-1)
-        return out.tolist()
+        return out
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

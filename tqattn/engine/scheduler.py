@@ -273,6 +273,25 @@ class Scheduler:
         self.stats.num_recomputed_tokens += recomputed
         return finished
 
+    def stop_on_token(self, seq: Sequence, token: int) -> bool:
+        """Apply a sampled token's value to a sequence updated with a placeholder for it (its
+        last token; the length limit was applied then). True if this finishes the sequence; a
+        stop token of a sequence already finished by length turns that into a stop."""
+        sp = seq.sampling_params
+        if seq.num_output_tokens < (getattr(sp, "min_tokens", 0) or 0):
+            return False
+        if not ((token in self.eos_token_ids and not getattr(sp, "ignore_eos", False))
+                or token in (getattr(sp, "stop_token_ids", None) or ())):
+            return False
+        seq.stop_reason = token
+        if seq.status is SequenceStatus.FINISHED_LENGTH:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return False
+        if seq.status.is_finished:  # aborted, or stopped by a stop string
+            return False
+        self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+        return True
+
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         sp = seq.sampling_params
         if seq.num_output_tokens >= (getattr(sp, "min_tokens", 0) or 0):

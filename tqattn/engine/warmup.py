@@ -2,14 +2,17 @@
 
 What compiles on first use: the Dynamo graph of a compiled model (one graph for every token
 count; this only confirms it) and each Triton/Gluon kernel variant. A kernel variant is keyed by
-its constexpr launch parameters (some chosen from the step's sizes: rows per program, number
-of splits) and by its integer arguments, which Triton specializes on == 1 and on divisibility
-by 16. So each step kind the attention backends branch on runs at sizes of each class:
+its constexpr launch parameters (some chosen from the step's sizes: rows per program, the split
+count being 1 or more, the store's key splits) and by the integer arguments Triton specializes
+(== 1, divisible by 16); the kernels exclude the ones that change from step to step (block-table
+width, split count, row count). So each step kind the attention backends branch on runs at
+sizes of each class:
 
 * first-chunk prefill: the largest step, a small one, several prompts in one step;
 * decodes (eager: CUDA graphs off or not graph-safe; graphs are captured separately): batches
   of 1, a few, 16, max_num_seqs, over contexts of one block and of 16;
-* decodes mixed with a first-chunk prefill;
+* decodes mixed with a first-chunk prefill, from one decode to max_num_seqs - 1;
+* first-chunk prefills of the token counts the backends ask for (``warmup_token_counts``);
 * short continuations (chunk <= CONTINUATION_DEQUANT_THRESHOLD tokens over a cached prefix: the
   decode kernel with one query row per token), at each power of two up to the threshold;
 * long continuations (the prefix dequantized), alone, mixed with decodes and with a short one.
@@ -27,8 +30,9 @@ Chunk = tuple[int, int]  # (num_computed_tokens, num_scheduled_tokens)
 
 
 def warmup_steps(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int) -> list[list[Chunk]]:
-    """The warm-up steps: each a list of chunks (decodes first, as the scheduler orders them)."""
+                 block_size: int, token_counts: list[int] = ()) -> list[list[Chunk]]:
+    """The warm-up steps: each a list of chunks (decodes first, as the scheduler orders them);
+    ``token_counts``: more step sizes to run as a first-chunk prefill (the backends' own)."""
     budget, max_len, thr = max_num_batched_tokens, max_model_len, CONTINUATION_DEQUANT_THRESHOLD
     # contexts of one block and of 16 blocks (block tables one wide and a multiple of 16 wide;
     # the continuations over long_ctx reach other widths)
@@ -46,11 +50,13 @@ def warmup_steps(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: 
         *[decodes(b) for b in (1, 3, 16, max_num_seqs)],
         decodes(3) + [(0, 33)],                               # mixed
         decodes(1) + [(0, budget)],
+        decodes(max_num_seqs - 1) + [(0, 16)],                # mixed, as many decodes as fit
         *[[(prefix, m)] for m in (2, 3, 4, 8, 16, thr)],      # short continuations
         decodes(2) + [(prefix, 5)],
         [(prefix, thr + 1)],                                  # long continuations
         [(prefix, 64)],
         decodes(2) + [(prefix, 8), (prefix, budget)],
+        *[[(0, n)] for n in token_counts],
     ]
     return [s for s in dict.fromkeys(tuple(_fit(step, max_num_seqs, budget, max_len))
                                      for step in steps) if s]

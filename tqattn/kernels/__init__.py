@@ -72,4 +72,19 @@ def dequant_kv(codec, kv_cache, block_table, seq_lens, cu_seqlens=None, max_seq_
     return k, v
 
 
-__all__ = ["store_kv", "decode_attention", "dequant_kv"]
+def store_warmup_token_counts(codec, num_kv_heads: int, block_size: int, device,
+                              max_tokens: int) -> list[int]:
+    """Step token counts that, between them, launch every build of the store kernel a run on
+    ``device`` can reach (none where the store is not a Triton kernel)."""
+    if torch.device(device).type != "cuda":
+        return []
+    mod = step.triton_module("store")
+    if mod is None:
+        return []
+    try:
+        return mod.warmup_token_counts(codec, num_kv_heads, block_size, device, max_tokens)
+    except NotImplementedError:  # no Triton store for this layout: the reference runs
+        return []
+
+
+__all__ = ["store_kv", "decode_attention", "dequant_kv", "store_warmup_token_counts"]

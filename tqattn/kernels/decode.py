@@ -352,7 +352,9 @@ def _load_tile(cache_ptr, bt_row, tok0, lim, sc_b, kvh_off, BLOCK_N: tl.constexp
     return ka, kb, kc, kd, ke, kf, va, vb, vc, vd, ve, vf, n1, n2, n3
 
 
-@triton.jit
+# step-dependent integers (block-table width, split count and the strides it sets) are not
+# specialization keys: one build serves every step (engine/warmup.py)
+@triton.jit(do_not_specialize=["sbt", "spo_r", "spo_h", "spl_r", "spl_h", "NUM_SPLITS"])
 def _decode_split_kernel(q_ptr, sq_r, sq_h, qo_ptr, sqo_r, sqo_h, cache_ptr, sc_b, sc_h,
                          bt_ptr, sbt, seqlen_ptr, qsl_ptr, qpos_ptr, lut_ptr, po_ptr, spo_r, spo_h,
                          spo_s, plse_ptr, spl_r, spl_h, scale, softcap, window, kfac, vfac,
@@ -548,7 +550,7 @@ def _decode_split_kernel(q_ptr, sq_r, sq_h, qo_ptr, sqo_r, sqo_h, cache_ptr, sc_
         tl.store(plse_ptr + (r0 + ri) * spl_r + head * spl_h + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["spo_r", "spo_h", "spl_r", "spl_h", "S"])
 def _merge_kernel(po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, out_ptr, so_r, so_h,
                   lse_ptr, sl_r, S, SP: tl.constexpr,
                   D: tl.constexpr, DP: tl.constexpr, WRITE_LSE: tl.constexpr):
@@ -573,6 +575,9 @@ def _merge_kernel(po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, out_ptr, 
 
 # Programs per SM the split count aims at (several waves of short programs hide the tail).
 TARGET_PROGRAMS = 8
+# Most splits of the portable kernel; the merge is built for this many (masked), so every split
+# count runs one merge build
+MAX_SPLITS = 64
 
 
 def launch_config(spec, interp: bool) -> tuple[int, int, dict]:
@@ -707,8 +712,10 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     lut, rot = spec.tables_on(q.device)
     qk = q if spec.layout.k_fp8 else (q.reshape(rows * hq, d).float() @ rot).reshape(rows, hq, d)
     if num_splits is None:
-        num_splits = max(1, min(64, triton.cdiv(TARGET_PROGRAMS * num_sms(q.device),
-                                                batch * hk * row_blocks)))
+        num_splits = max(1, min(MAX_SPLITS, triton.cdiv(TARGET_PROGRAMS * num_sms(q.device),
+                                                        batch * hk * row_blocks)))
+    elif not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits={num_splits}: the portable kernel merges 1..{MAX_SPLITS}")
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
     dummy = seq_lens
@@ -736,7 +743,7 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     _merge_kernel[(rows, hq)](
         part, part.stride(0), part.stride(1), part.stride(2), plse, plse.stride(0),
         plse.stride(1), dst, dst.stride(0), dst.stride(1), lse, lse.stride(0) if return_lse else 0,
-        S=num_splits, SP=next_pow2(num_splits), D=d, DP=next_pow2(d),
+        S=num_splits, SP=MAX_SPLITS, D=d, DP=next_pow2(d),
         WRITE_LSE=return_lse, num_warps=4)
     if v_rot:
         out.copy_((dst.view(rows * hq, d) @ rot.T).view(rows, hq, d))

@@ -575,10 +575,11 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s
 L2_AHEAD = gl.constexpr(2)
 
 
-# split-count-dependent arguments are not specialised: every split count > 1 runs one build
-# (ASSIGN; one split another, under the same register cap), and programs_per_sm reads its count
-@gluon.jit(do_not_specialize=["spo_r", "spo_h", "spo_s", "spl_r", "spl_h", "so_r", "so_h", "sl_r",
-                              "NUM_SPLITS", "n_older", "w_old", "w_young"])
+# split-count-dependent arguments and the block-table width are not specialised: every split
+# count > 1 runs one build (ASSIGN; one split another, under the same register cap), and
+# programs_per_sm reads its count
+@gluon.jit(do_not_specialize=["sbt", "spo_r", "spo_h", "spo_s", "spl_r", "spl_h", "so_r", "so_h",
+                              "sl_r", "NUM_SPLITS", "n_older", "w_old", "w_young"])
 def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr,
                        po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, tab_ptr,
                        out_ptr, so_r, so_h, lse_ptr, sl_r, count_ptr, NUM_SPLITS, sgn_ptr, qscale,

@@ -76,7 +76,7 @@ def _dequant_rotated(cache_ptr, lut_ptr, pbase, tip, ok, out_rows, out_ptr, rot_
                     F1.start, F1.count)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sbt"])  # the block-table width changes per step
 def _dequant_kernel(cache_ptr, sc_b, sc_h, bt_ptr, sbt, seqlen_ptr, cu_ptr, k_ptr, sk_n,
                     sk_h, v_ptr, sv_n, sv_h, lut_ptr, rot_ptr, kfac, vfac, HK: tl.constexpr,
                     BLOCK_N: tl.constexpr, BD: tl.constexpr, FP8_NATIVE: tl.constexpr,

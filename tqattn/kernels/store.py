@@ -338,7 +338,7 @@ def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
         _tl.store_fp16(cache_ptr, base, off, tl.where(bad, float("nan"), nrm), h_ok, N_OFF)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_ROWS"])  # the step's row count is no specialization key
 def _store_kernel(k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h,
                   rot_ptr, tab_ptr, N_ROWS, HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
                   TF32X3: tl.constexpr, L: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
@@ -435,24 +435,40 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     if value.stride(-1) != 1:
         value = value.contiguous()
     rows = n * hk
-    hb = ROWS_PER_PROGRAM
-    dp = spec.layout.dp
-    small = rows <= DECODE_ROWS
-    bk = min(DECODE_BLOCK_K if small else BLOCK_K, dp)
-    n_kv = max(triton.cdiv(rows, hb), 1)
-    m = spec.layout
-    g = spec.key_fields[0].g
-    key_splits = auto_key_splits(n_kv, key.device)
-    ks = key_splits if (spec.key_fields[0].bits > 0 and not m.k_fp8 and m.k_nout == 0
-                        and not m.has_k1 and bk == dp and g % key_splits == 0
-                        and (g // key_splits) & (g // key_splits - 1) == 0) else 1
+    bk, num_warps, ks = _launch_variant(spec, rows, key.device)
+    n_kv = max(triton.cdiv(rows, ROWS_PER_PROGRAM), 1)
     ss_buf, cnt_buf = _split_scratch(key.device, rows if ks > 1 else 1, n_kv if ks > 1 else 1)
     _store_kernel[((ks + 1) * n_kv,)](
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
-        rows, HK=hk, HB=hb, BK=bk, TF32X3=not interpreted(key.device),
-        num_warps=DECODE_WARPS if small else WARPS, **spec.constexprs, ss_ptr=ss_buf,
-        cnt_ptr=cnt_buf, KS=ks)
+        rows, HK=hk, HB=ROWS_PER_PROGRAM, BK=bk, TF32X3=not interpreted(key.device),
+        num_warps=num_warps, **spec.constexprs, ss_ptr=ss_buf, cnt_ptr=cnt_buf, KS=ks)
+
+
+def _launch_variant(spec, rows: int, device) -> tuple[int, int, int]:
+    """(BK, num_warps, KS) of a launch over ``rows`` (token, KV head) rows: what, besides the
+    cache layout, selects the kernel build."""
+    dp = spec.layout.dp
+    small = rows <= DECODE_ROWS
+    bk = min(DECODE_BLOCK_K if small else BLOCK_K, dp)
+    n_kv = max(triton.cdiv(rows, ROWS_PER_PROGRAM), 1)
+    m = spec.layout
+    g = spec.key_fields[0].g
+    key_splits = auto_key_splits(n_kv, device)
+    ks = key_splits if (spec.key_fields[0].bits > 0 and not m.k_fp8 and m.k_nout == 0
+                        and not m.has_k1 and bk == dp and g % key_splits == 0
+                        and (g // key_splits) & (g // key_splits - 1) == 0) else 1
+    return bk, DECODE_WARPS if small else WARPS, ks
+
+
+def warmup_token_counts(codec: TQCodec, num_kv_heads: int, block_size: int, device,
+                        max_tokens: int) -> list[int]:
+    """The fewest tokens of each store build a step of 1..max_tokens tokens can launch."""
+    spec = kernel_spec(codec, block_size)
+    first: dict = {}
+    for n in range(1, max_tokens + 1):
+        first.setdefault(_launch_variant(spec, n * num_kv_heads, device), n)
+    return sorted(first.values())
 
 
 def auto_key_splits(n_kv: int, device) -> int:

@@ -133,7 +133,11 @@ class _Inflight:
     """A launched step whose sampled tokens the host has not read yet."""
     out: Any  # SchedulerOutput
     tokens: SampledTokens
+    graph_bucket: int | None = None
     finished: list = field(default_factory=list)  # finished by length when it was launched
+    start: float = 0.0  # perf_counter when the call that launched it began
+    host_s: float = 0.0  # that call's time, less its waits for the device
+    done_at: float | None = None  # perf_counter when its tokens reached the host
 
 
 @dataclass
@@ -210,6 +214,7 @@ class LLMEngine:
         self.step_records: list[StepRecord] | None = None  # see record_steps()
         self.async_scheduling = (cuda if args.async_scheduling is None else args.async_scheduling)
         self._inflight: _Inflight | None = None
+        self._last_done = 0.0  # perf_counter when the last step's tokens reached the host
         self.plan = describe_plan(self.layers, args.block_size)
         self.plan.update(num_blocks=num_blocks, block_size=args.block_size,
                          cache_tokens=self.kv_cache_config.num_tokens,
@@ -389,17 +394,18 @@ class LLMEngine:
             generators = {r.request_id: r.generator for r in self.requests.values()
                           if r.generator is not None}
             tokens = self.runner.launch(out.scheduled, generators, prev.tokens if prev else None)
-            launched = _Inflight(out, tokens)
+            launched = _Inflight(out, tokens, graph_bucket=self.runner.last_graph_bucket)
         finished, wait = [], 0.0
         if prev is not None:  # its tokens before this step's placeholders
             wait = self._complete(prev, finished)
         if launched is not None:
+            launched.start = start
             launched.finished = self.scheduler.update_from_output(
                 out, dict.fromkeys(launched.tokens.seq_ids, PLACEHOLDER))
             if self.async_scheduling:
                 self._inflight = launched
             else:
-                wait = self._complete(launched, finished)
+                wait += self._complete(launched, finished)
         outputs = []
         now = time.perf_counter()
         for seq in finished:
@@ -407,8 +413,11 @@ class LLMEngine:
             if req is not None:  # None: aborted while its last step ran
                 req.metrics.finished_time = now
                 outputs.append(self._output(req))
-        if self.step_records is not None and launched is not None:
-            self._record_step(out, start, wait)
+        if launched is not None:
+            launched.host_s = time.perf_counter() - start - wait
+        for s in (prev, launched):
+            if s is not None and s.done_at is not None:
+                self._record_step(s)
         return outputs
 
     def _complete(self, step: _Inflight, finished: list[Sequence]) -> float:
@@ -417,7 +426,7 @@ class LLMEngine:
         sequences it finished. Returns the seconds spent waiting for the device."""
         t = time.perf_counter()
         values = step.tokens.host()
-        now = time.perf_counter()
+        now = step.done_at = time.perf_counter()
         finished.extend(step.finished)
         for seq_id, token in zip(step.tokens.seq_ids, values):
             req = self.requests.get(seq_id)
@@ -434,13 +443,20 @@ class LLMEngine:
                 self._check_stop_strings(req, finished)
         return now - t
 
-    def _record_step(self, out, start: float, wait: float) -> None:
-        wall = time.perf_counter() - start
+    def _record_step(self, step: _Inflight) -> None:
+        """A completed step's record: wall time from the completion of the step before (or its
+        own launch, if later) to its tokens on the host — with async scheduling, what it kept
+        the device busy; host time: the call that launched it, less its waits for the device."""
+        wall = step.done_at - max(step.start, self._last_done)
+        self._last_done = step.done_at
+        if self.step_records is None:
+            return
+        out = step.out
         n, nd = len(out.scheduled), out.num_decodes
         kind = "decode" if nd == n else "prefill" if nd == 0 else "mixed"
         self.step_records.append(StepRecord(
             kind=kind, num_tokens=out.num_batched_tokens, num_seqs=n, num_decodes=nd,
-            graph_bucket=self.runner.last_graph_bucket, wall_ms=wall * 1e3, host_ms=(wall - wait) * 1e3,
+            graph_bucket=step.graph_bucket, wall_ms=wall * 1e3, host_ms=step.host_s * 1e3,
             num_preempted=len(out.preempted)))
 
     def _decode(self, req: _Request) -> str:

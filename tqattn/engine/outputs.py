@@ -57,6 +57,8 @@ class StepRecord:
     num_seqs: int
     num_decodes: int
     graph_bucket: int | None  # the CUDA graph's batch size; None when the step ran without one
-    wall_ms: float  # step(): schedule, inputs, model, sampling, bookkeeping
-    host_ms: float  # wall_ms minus the time the host waited for the device
+    # from the previous step's tokens reaching the host (or this step's launch, if later) to
+    # this step's: its share of the run's wall time (async scheduling: of the device's time)
+    wall_ms: float
+    host_ms: float  # the step() call that launched it, less its waits for the device
     num_preempted: int = 0

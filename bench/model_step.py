@@ -138,14 +138,18 @@ def decode_steps(model_name: str, kv_cache_dtype: str, sizes: list[int], ctx: in
                  steps: int, kv_bytes: int, profile: bool = False) -> dict:
     from tqattn import LLM, SamplingParams
 
+    budget = 8192
+    # the first requests decode while the others prefill: room for that, the timed and the
+    # profiled steps, so that every request still runs when the steps are timed
+    max_tokens = -(-max(sizes) * ctx // budget) + 2 * steps + 16
     llm = LLM(model_name, load_format="dummy", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
-              max_model_len=ctx + steps + 64, max_num_seqs=max(sizes), max_num_batched_tokens=8192,
+              max_model_len=ctx + max_tokens, max_num_seqs=max(sizes), max_num_batched_tokens=budget,
               enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes)
     engine = llm.llm_engine
     out = {"startup_times": engine.startup_times, "step_ms": {}, "cache_tokens":
            engine.plan["cache_tokens"]}
     for b in sizes:
-        params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         g = torch.Generator().manual_seed(b)
         vocab = min(engine.model_info.vocab_size, 1000)
         rids = [f"{b}-{i}" for i in range(b)]
@@ -159,6 +163,7 @@ def decode_steps(model_name: str, kv_cache_dtype: str, sizes: list[int], ctx: in
             t = time.perf_counter()
             engine.step()
             times.append((time.perf_counter() - t) * 1e3)
+        assert all(r in engine.requests for r in rids), "a request finished during the timed steps"
         out["step_ms"][b] = statistics.median(times)
         if profile:
             out.setdefault("profile", {})[b] = profile_steps(engine.step)

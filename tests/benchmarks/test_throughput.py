@@ -91,8 +91,17 @@ def test_step_check_groups_by_kind_and_size():
     assert report.step_check(records[:4])["ok"]
     s = report.step_summary(records)
     assert s["decode_at_largest_batch"] == {"batch": 9, "steps": 3, "graph_bucket": 16, "median_ms": 40,
-                                            "median_host_ms": 40}
+                                            "median_host_ms": 40, "device_idle_fraction": None}
     assert s["max_step"]["index"] == 10 and s["by_kind"]["prefill"]["steps"] == 3
+
+
+def test_device_idle_fraction_from_the_step_events():
+    recs = [StepRecord(kind="decode", num_tokens=8, num_seqs=8, num_decodes=8, graph_bucket=8,
+                       wall_ms=10, host_ms=3, device_ms=d, device_idle_ms=i)
+            for d, i in ((9.0, None), (9.0, 1.0), (8.0, 0.0), (9.0, 1.0))]
+    assert report.device_idle_fraction(recs) == pytest.approx(2.0 / 28.0)  # the first has no gap
+    assert report.device_idle_fraction(recs[:1]) is None
+    assert report.step_summary(recs)["decode_device_idle_fraction"] == pytest.approx(2.0 / 28.0)
 
 
 def test_bench_flags_are_the_shared_engine_flags():

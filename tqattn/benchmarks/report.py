@@ -45,7 +45,7 @@ def request_metrics(outputs, elapsed_s: float) -> dict:
 
 def timeline_columns(records) -> dict:
     fields = ("kind", "num_tokens", "num_seqs", "num_decodes", "graph_bucket", "wall_ms", "host_ms",
-              "num_preempted")
+              "num_preempted", "device_ms", "device_idle_ms")
     return {f: [getattr(r, f) for r in records] for f in fields}
 
 
@@ -84,8 +84,19 @@ def step_summary(records) -> dict:
         out["decode_at_largest_batch"] = {
             "batch": batch, "steps": len(rs), "graph_bucket": rs[0].graph_bucket,
             "median_ms": statistics.median(r.wall_ms for r in rs),
-            "median_host_ms": statistics.median(r.host_ms for r in rs)}
+            "median_host_ms": statistics.median(r.host_ms for r in rs),
+            "device_idle_fraction": device_idle_fraction(rs)}
+    out["decode_device_idle_fraction"] = device_idle_fraction(decodes)
     return out
+
+
+def device_idle_fraction(records) -> float | None:
+    """Share of the device's time spent idle before these steps (CUDA events; None without)."""
+    rs = [r for r in records if r.device_ms is not None and r.device_idle_ms is not None]
+    if not rs:
+        return None
+    idle = sum(r.device_idle_ms for r in rs)
+    return idle / (idle + sum(r.device_ms for r in rs))
 
 
 def step_check(records, factor: float = 2.0) -> dict:
@@ -130,6 +141,7 @@ def summary_rows(result: dict) -> list[dict]:
             "total_tok_s": r["total_tok_s"],
             "decode_ms": d["median_ms"] if d else None, "decode_batch": d["batch"] if d else None,
             "decode_host_ms": d["median_host_ms"] if d else None,
+            "decode_idle": d.get("device_idle_fraction") if d else None,
             "ttft_p50_ms": _pct(r["ttft_ms"], "p50"), "tpot_p50_ms": _pct(r["tpot_ms"], "p50"),
             "max_step_ms": r["steps"]["max_step"]["wall_ms"] if r["steps"]["max_step"] else None,
             "preemptions": r["num_preemptions"],
@@ -143,7 +155,8 @@ def summary_rows(result: dict) -> list[dict]:
 _TABLE = [("kv_cache_dtype", "kv-cache dtype", "{}"), ("output_tok_s", "out tok/s", "{:.0f}"),
           ("vs_first", "x first", "{:.2f}"), ("total_tok_s", "total tok/s", "{:.0f}"),
           ("decode_ms", "decode ms", "{:.2f}"), ("decode_batch", "at batch", "{}"),
-          ("decode_host_ms", "host ms", "{:.2f}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
+          ("decode_host_ms", "host ms", "{:.2f}"), ("decode_idle", "dev idle", "{:.1%}"),
+          ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
           ("tpot_p50_ms", "TPOT p50 ms", "{:.2f}"), ("max_step_ms", "max step ms", "{:.0f}"),
           ("preemptions", "preempt", "{}"), ("recomputed_pct", "recomp %", "{:.1f}"),
           ("compilations", "compiles", "{}"), ("step_check", "2x check", "{}")]
@@ -204,6 +217,9 @@ def markdown(result: dict) -> str:
         return "n/a" if d is None else (f"{d['median_ms']:.2f} ms at {d['batch']} seqs "
                                         f"(host {d['median_host_ms']:.2f} ms, {d['steps']} steps)")
     row("median pure-decode step, largest batch", decode)
+    row("device idle before pure-decode steps (largest batch / all)", lambda r: " / ".join(
+        _f(x, "{:.1%}") for x in ((r["steps"]["decode_at_largest_batch"] or {}).get(
+            "device_idle_fraction"), r["steps"].get("decode_device_idle_fraction"))))
     row("max step", lambda r: "n/a" if r["steps"]["max_step"] is None else
         f"{r['steps']['max_step']['wall_ms']:.0f} ms ({r['steps']['max_step']['kind']}, "
         f"{r['steps']['max_step']['num_tokens']} tokens, step {r['steps']['max_step']['index']})")

@@ -215,6 +215,7 @@ class LLMEngine:
         self.async_scheduling = (cuda if args.async_scheduling is None else args.async_scheduling)
         self._inflight: _Inflight | None = None
         self._last_done = 0.0  # perf_counter when the last step's tokens reached the host
+        self._last_ended = None  # the last recorded step's end event (device timing)
         self.plan = describe_plan(self.layers, args.block_size)
         self.plan.update(num_blocks=num_blocks, block_size=args.block_size,
                          cache_tokens=self.kv_cache_config.num_tokens,
@@ -369,6 +370,8 @@ class LLMEngine:
     def record_steps(self, enable: bool = True) -> None:
         """Start (or stop) recording a StepRecord per step in ``step_records`` (a fresh list)."""
         self.step_records = [] if enable else None
+        self.runner.time_steps = enable
+        self._last_ended = None
 
     def stats(self) -> dict:
         """Scheduler counters: preemptions, recomputed tokens, computed tokens, peak running."""
@@ -451,13 +454,21 @@ class LLMEngine:
         self._last_done = step.done_at
         if self.step_records is None:
             return
+        gpu_ms = idle_ms = None
+        t = step.tokens
+        if t.started is not None:
+            gpu_ms = t.started.elapsed_time(t.ended)
+            # the device's gap between the previous step's last kernel and this step's first
+            if self._last_ended is not None:
+                idle_ms = max(0.0, self._last_ended.elapsed_time(t.started))
+            self._last_ended = t.ended
         out = step.out
         n, nd = len(out.scheduled), out.num_decodes
         kind = "decode" if nd == n else "prefill" if nd == 0 else "mixed"
         self.step_records.append(StepRecord(
             kind=kind, num_tokens=out.num_batched_tokens, num_seqs=n, num_decodes=nd,
             graph_bucket=step.graph_bucket, wall_ms=wall * 1e3, host_ms=step.host_s * 1e3,
-            num_preempted=len(out.preempted)))
+            num_preempted=len(out.preempted), device_ms=gpu_ms, device_idle_ms=idle_ms))
 
     def _decode(self, req: _Request) -> str:
         if self.tokenizer is None:

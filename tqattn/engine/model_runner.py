@@ -68,6 +68,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, logits)
         self.input_batch = InputBatch(len(groups), block_size, device)
         self.last_graph_bucket: int | None = None  # of the last step; None: it ran without a graph
+        self.time_steps = False  # CUDA events around each step's device work (record_steps)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = {}  # captured over the old tensors
@@ -112,6 +113,10 @@ class ModelRunner:
         sampling = [s.seq for s in scheduled if s.samples]
         if not scheduled:
             return SampledTokens([], None)
+        started = None
+        if self.time_steps and self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         self.last_graph_bucket = self._graph_bucket(scheduled)
         if self.last_graph_bucket is not None:
             logits = self._replay(scheduled, pending)
@@ -122,11 +127,11 @@ class ModelRunner:
                 pending.feed(input_ids, scheduled)
             logits = self.forward(input_ids, positions, metadata, sample_idx)
         if not sampling:
-            return SampledTokens([], None)
+            return SampledTokens([], None, started)
         generators = generators or {}
         tokens = self.sampler.sample(logits, [seq.sampling_params for seq in sampling],
                                      [generators.get(seq.seq_id) for seq in sampling])
-        return SampledTokens([seq.seq_id for seq in sampling], tokens)
+        return SampledTokens([seq.seq_id for seq in sampling], tokens, started)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list,
                 sample_idx: list[int]) -> torch.Tensor:

@@ -62,3 +62,5 @@ class StepRecord:
     wall_ms: float
     host_ms: float  # the step() call that launched it, less its waits for the device
     num_preempted: int = 0
+    device_ms: float | None = None  # CUDA: from the step's first device work to its sampled tokens
+    device_idle_ms: float | None = None  # CUDA: the device's gap after the previous recorded step

@@ -18,12 +18,18 @@ PLACEHOLDER = -1  # a token id no vocabulary has (stop_token_ids are >= 0)
 class SampledTokens:
     """Token ids of the sampling sequences of one step, in ``seq_ids`` order."""
 
-    def __init__(self, seq_ids: list[Hashable], tokens: torch.Tensor | None):
+    def __init__(self, seq_ids: list[Hashable], tokens: torch.Tensor | None,
+                 started: torch.cuda.Event | None = None):
         self.seq_ids = seq_ids
         self.device = tokens
         self.row_of = {sid: i for i, sid in enumerate(seq_ids)}
+        # timing events around the step's device work (LLMEngine.record_steps on CUDA)
+        self.started, self.ended = started, None
         self._event = None
         self._host = None
+        if started is not None:
+            self.ended = torch.cuda.Event(enable_timing=True)
+            self.ended.record()
         if tokens is None:
             return
         if tokens.is_cuda:
@@ -36,6 +42,8 @@ class SampledTokens:
 
     def host(self) -> list[int]:
         """The values; waits for the device to have computed and copied them."""
+        if self.ended is not None:
+            self.ended.synchronize()
         if self._host is None:
             return []
         if self._event is not None:

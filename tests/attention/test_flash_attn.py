@@ -88,6 +88,16 @@ def test_scatter_rows_skips_negative_slots():
     expect = before.clone()
     expect[4], expect[1] = torch.tensor([1., 2]), torch.tensor([3., 4])
     assert torch.equal(rows, expect)
+    # along dim 1 (K and V of a (2, slots, ...) cache at once): the same rule in each plane
+    planes = torch.arange(24.0).view(2, 6, 2)
+    before = planes.clone()
+    scatter_rows(planes, torch.tensor([-1, -1]), torch.full((2, 2, 2), 99.0), dim=1)
+    assert torch.equal(planes, before)
+    src = torch.arange(100.0, 116.0).view(2, 4, 2)
+    scatter_rows(planes, torch.tensor([-1, 4, -1, 1]), src, dim=1)
+    expect = before.clone()
+    expect[:, 4], expect[:, 1] = src[:, 1], src[:, 3]
+    assert torch.equal(planes, expect)
 
 
 def test_cache_layout_is_vllms():

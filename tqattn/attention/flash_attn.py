@@ -61,8 +61,8 @@ def _fa3_kvcache_fns():
     return fn, fa_utils._import_attr("flash_attn_interface", "get_scheduler_metadata")
 
 
-def scatter_rows(rows: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
-    """``rows[slots[i]] = src[i]`` for slots >= 0, skipping negative (padding) slots.
+def scatter_rows(rows: torch.Tensor, slots: torch.Tensor, src: torch.Tensor, dim: int = 0) -> None:
+    """``rows[slots[i]] = src[i]`` along ``dim`` for slots >= 0, skipping negative (padding) slots.
 
     No host sync and no boolean indexing: a skipped token is redirected to the first valid
     token's slot *with that token's data*, so the duplicate writes all carry the same bytes and
@@ -72,12 +72,14 @@ def scatter_rows(rows: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> 
     # tensor reads it on the host, which a CUDA-graph capture forbids.
     valid = slots >= 0
     first = valid.to(torch.int32).argmax().view(1)
-    lead = (1,) + (1,) * (src.dim() - 1)
+    along = [1] * src.dim()
+    along[dim] = -1
     any_valid = valid.index_select(0, first)
     fill_slot = torch.where(any_valid, slots.index_select(0, first), 0)
-    fill_data = torch.where(any_valid.view(lead), src.index_select(0, first), rows[:1])
+    fill_data = torch.where(any_valid.view([1] * src.dim()), src.index_select(dim, first),
+                            rows.narrow(dim, 0, 1))
     idx = torch.where(valid, slots, fill_slot)
-    rows.index_copy_(0, idx, torch.where(valid.view((-1,) + lead[1:]), src, fill_data))
+    rows.index_copy_(dim, idx, torch.where(valid.view(along), src, fill_data))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -170,9 +172,9 @@ class FlashAttentionImpl(AttentionImpl):
 
     def store(self, key, value, kv_cache, metadata) -> None:
         n = metadata.num_actual_tokens
-        slots = metadata.slot_mapping[:n]
-        for cache, x in ((kv_cache[0], key), (kv_cache[1], value)):
-            scatter_rows(cache.flatten(0, 1), slots, x[:n].to(self.cache_dtype))
+        # K and V in one scatter (one set of slot kernels): (2, slots, Hk, D) rows along dim 1
+        scatter_rows(kv_cache.flatten(1, 2), metadata.slot_mapping[:n],
+                     torch.stack((key[:n], value[:n])).to(self.cache_dtype), dim=1)
 
     def forward(self, query, key, value, kv_cache, metadata: FlashAttentionMetadata):
         md, s = metadata, self.spec

@@ -20,7 +20,7 @@ if INTERPRET:
         # the interpreter imports gluon lazily at the first launch; its definitions check the
         # flag at import time, so import it now while the flag is set
         importlib.import_module("triton.experimental.gluon")
-        for _m in ("store", "decode", "dequant"):
+        for _m in ("store", "decode", "dequant", "kv_write"):
             importlib.import_module(f"tqattn.kernels.{_m}")
         KERNELS_IMPORTED = True
     except ImportError:  # no triton: the CPU kernel tests skip themselves

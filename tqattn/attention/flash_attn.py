@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels import step as kernels_step
 from . import fa_utils
 from .backend import (AUTO, AttentionBackend, AttentionImpl, AttentionLayerSpec,
                       AttentionMetadataBuilder, CommonAttentionMetadata)
@@ -172,6 +173,9 @@ class FlashAttentionImpl(AttentionImpl):
 
     def store(self, key, value, kv_cache, metadata) -> None:
         n = metadata.num_actual_tokens
+        mod = kernels_step.triton_module("kv_write") if kernels_step.use_triton(key) else None
+        if mod is not None:  # one launch a layer (the torch scatter below takes ~10 kernels)
+            return mod.write_kv_triton(key, value, kv_cache, metadata.slot_mapping[:n])
         # K and V in one scatter (one set of slot kernels): (2, slots, Hk, D) rows along dim 1
         scatter_rows(kv_cache.flatten(1, 2), metadata.slot_mapping[:n],
                      torch.stack((key[:n], value[:n])).to(self.cache_dtype), dim=1)

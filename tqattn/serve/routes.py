@@ -188,7 +188,9 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
             if first is not None:
                 yield _sse(make_chunk(first, None))
             async for piece in _timed(stream):
-                if piece.text:
+                # a chunk per step with new tokens, even if their text is held back (or the
+                # model has no tokenizer): clients see every step's progress
+                if piece.text or (piece.token_ids and not piece.finished):
                     yield _sse(make_chunk(piece.text, None))
                 if piece.finished:
                     out = piece.output

@@ -166,6 +166,8 @@ class AsyncEngine:
                 self._fail_all(EngineError(f"the engine failed: {type(e).__name__}: {e}"))
                 continue
             self.num_steps += 1
+            # counts first: a client that gets its answer may send the next request at once
+            self._publish()
             for out in outputs:
                 stream = self._streams.pop(out.request_id, None)
                 self.metrics.observe_finished(out)

@@ -81,6 +81,8 @@ def cmd_generate(args) -> int:
     from .engine.arg_utils import engine_kwargs_from_args, sampling_params_from_args
 
     # everything a user can get wrong is checked before the model loads
+    if args.stream and args.json:
+        raise ValueError("--stream and --json cannot be combined: --json prints one JSON document at the end")
     engine_kwargs = engine_kwargs_from_args(args)
     params = sampling_params_from_args(args)
     token_prompts = [{"prompt_token_ids": _token_ids(p)} for p in args.prompt] if args.token_ids else None
@@ -92,6 +94,8 @@ def cmd_generate(args) -> int:
     llm = LLM(**engine_kwargs)
     engine = llm.llm_engine
     chat = token_prompts is None and not args.no_chat and bool(getattr(llm.tokenizer, "chat_template", None))
+    if args.stream:
+        return _generate_stream(args, llm, params, token_prompts, chat)
     use_tqdm = not args.json and len(args.prompt) > 1 and sys.stderr.isatty()
     start = time.perf_counter()
     if chat:
@@ -124,6 +128,118 @@ def cmd_generate(args) -> int:
         c = o.outputs[0]
         print(f"\n>>> {p}\n{c.text if llm.tokenizer is not None else c.token_ids}")
     return 0
+
+
+def _generate_stream(args, llm, params, token_prompts, chat: bool) -> int:
+    """--stream: the plan, then each prompt's reply as it is generated, one prompt after another."""
+    from .engine.llm_engine import format_plan
+
+    print(format_plan(llm.llm_engine.plan))
+    for i, p in enumerate(args.prompt):
+        print(f"\n>>> {p}", flush=True)
+        if chat:
+            pieces = llm.stream_chat([{"role": "user", "content": p}], params)
+        else:
+            pieces = llm.stream(token_prompts[i] if token_prompts else p, params)
+        last = None
+        for last in pieces:
+            print(last.text if llm.tokenizer is not None else " ".join(map(str, last.token_ids)),
+                  end="", flush=True)
+        print(flush=True)
+        if last is not None:
+            _warn_empty_replies(llm, [last.output], chat)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .engine.arg_utils import engine_kwargs_from_args
+    from .serve.server import _uvicorn
+
+    engine_kwargs = engine_kwargs_from_args(args)  # checked before the model loads
+    _uvicorn()  # the extra is installed
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    _progress_bars(sys.stderr.isatty())
+    from .engine.llm_engine import EngineArgs, LLMEngine
+    from .serve.server import Server, startup_message
+
+    engine = LLMEngine(EngineArgs(**engine_kwargs))
+    server = Server(engine, args.host, args.port, args.served_model_name, args.max_waiting_requests,
+                    args.request_timeout, log_level=args.uvicorn_log_level)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: abort requests, close the socket
+    try:
+        server.start()
+    except RuntimeError as e:  # e.g. the port is taken: uvicorn logged why
+        raise OSError(f"could not serve on {args.host}:{args.port}: {e}") from None
+    print(startup_message(server), flush=True)
+    try:
+        while server._thread.is_alive():
+            server._thread.join(0.5)
+    except KeyboardInterrupt:
+        print("tqattn: shutting down", file=sys.stderr)
+    finally:
+        server.stop()
+    return 0
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+def cmd_chat(args) -> int:
+    from .engine.arg_utils import engine_kwargs_from_args, sampling_params_from_args
+
+    engine_kwargs = engine_kwargs_from_args(args)
+    params = sampling_params_from_args(args)
+    _progress_bars(sys.stderr.isatty())
+    from .engine.llm import LLM
+
+    llm = LLM(**engine_kwargs)
+    if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+        raise ValueError(f"model {llm.llm_engine.loaded.name} has no chat template; `tqattn chat` needs one "
+                         f"(use `tqattn generate --no-chat` for plain text)")
+    from .engine.llm_engine import format_plan
+
+    print(format_plan(llm.kv_cache_plan))
+    print("Type a message and press Enter; /reset starts over, /exit (or Ctrl-D) quits.", flush=True)
+    return chat_loop(llm, params, args.system, input_fn=lambda: input("you> "))
+
+
+def chat_loop(llm, params, system: str | None, input_fn, write=None) -> int:
+    """The conversation: each line is a user turn, the reply streams back; history is kept."""
+    write = write or (lambda s: print(s, end="", flush=True))
+    history = [{"role": "system", "content": system}] if system else []
+    base = len(history)
+    while True:
+        try:
+            line = input_fn()
+        except EOFError:
+            write("\n")
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            del history[base:]
+            write("(conversation cleared)\n")
+            continue
+        history.append({"role": "user", "content": line})
+        write("assistant> ")
+        reply = []
+        try:
+            for piece in llm.stream_chat(history, params):
+                reply.append(piece.text)
+                write(piece.text)
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len: say so, keep going
+            history.pop()
+            write(f"\ntqattn: error: {' '.join(str(e).split())}; /reset starts over\n")
+            continue
+        except KeyboardInterrupt:  # stop this reply (the stream aborts its request), keep the chat
+            write(" [interrupted]")
+        write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
 
 
 def _warn_empty_replies(llm, outputs, chat: bool) -> None:
@@ -231,7 +347,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each PROMPT is a comma-separated list of token ids (models without a tokenizer)")
     p.add_argument("--json", action="store_true",
                    help="print tokens, text, timings and the cache plan as JSON (stdout holds only the JSON)")
+    p.add_argument("--stream", action="store_true",
+                   help="print each reply as it is generated (prompts run one after another)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="an interactive conversation in the terminal (streams the replies)",
+                       description="Chat with a model in the terminal: each line is a user turn, the "
+                                   "reply streams back, the conversation is kept (/reset, /exit).")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(max_tokens=512)
+    p.add_argument("--system", metavar="TEXT", help="a system message at the start of the conversation")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)",
+                       description="Serve the model over OpenAI's API: /v1/completions, "
+                                   "/v1/chat/completions (both with stream=true), /v1/models, "
+                                   "/health, /metrics (Prometheus).")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free port)")
+    g.add_argument("--served-model-name", help="the model name of the API (default: the model's name)")
+    g.add_argument("--max-waiting-requests", type=_positive, default=256,
+                   help="requests that may wait for a slot; past it new ones get 503 with Retry-After")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="abort a request after this many seconds (default: no limit)")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (info logs every request)")
+    p.set_defaults(func=cmd_serve)
     from .evals.cli import add_eval_parser
 
     add_eval_parser(sub)
@@ -265,6 +410,22 @@ def _head_dim(s: str) -> int:
     if d < 8 or d % 2:
         raise argparse.ArgumentTypeError(f"head size {d} not supported: need an even integer >= 8")
     return d
+
+
+def _port(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in [0, 65535], got {s!r}")
+    return v
+
+
+def _positive(s: str) -> int:
+    from .engine.arg_utils import positive_int
+
+    return positive_int(s)
 
 
 def _preset_name(s: str) -> str:

@@ -17,7 +17,7 @@ from tqattn.evals.cli import _positive
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     from .throughput import WORKLOADS
 
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     p = sub.add_parser(
         "throughput", help="offline generation throughput for several kv-cache dtypes",
@@ -39,7 +39,71 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="bench_throughput", help="JSON, markdown and PNG go here")
     _add_engine_args(p)
     p.set_defaults(func=cmd_throughput)
+
+    p = sub.add_parser(
+        "serve", help="streaming load against an OpenAI-compatible server",
+        description="N streaming completions sent all at once (or at --request-rate) against --url, or "
+                    "against a `tqattn serve` started per kv-cache dtype with --server-args; reports TTFT, "
+                    "TPOT and end-to-end percentiles and throughput (JSON + markdown in --out-dir).")
+    p.add_argument("--url", help="a running server (http://host:port); default: start `tqattn serve` per dtype")
+    p.add_argument("--server-args", default="--model Qwen3-4B --load-format dummy",
+                   help="flags for the `tqattn serve` this command starts (engine flags as in tqattn generate)")
+    p.add_argument("--kv-cache-dtypes", type=_str_list, default=["auto", "turboquant_k3v4_nc"],
+                   help="comma-separated kv-cache dtypes, one server each (not with --url)")
+    p.add_argument("--model", dest="served_model", help="the API model name to send (default: none)")
+    p.add_argument("--num-prompts", type=_positive, default=64, help="requests")
+    p.add_argument("--input-len", type=_positive, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=_positive, default=32, help="generated tokens per request")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second (Poisson arrivals); inf: all at once")
+    p.add_argument("--max-concurrency", type=_positive, help="requests in flight at most")
+    p.add_argument("--warmup-prompts", type=int, default=4, help="requests sent (and not measured) first")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
+    p.add_argument("--out-dir", default="bench_serve", help="JSON and markdown go here")
+    p.add_argument("--tag", default="serve", help="file name stem")
+    p.set_defaults(func=cmd_serve)
     return bench
+
+
+def cmd_serve(args) -> int:
+    import asyncio
+    import platform
+
+    from .serve import format_table, run_load, start_server
+
+    if args.request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    command = "tqattn " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    server_args = shlex.split(args.server_args)
+    runs = []
+    for dtype in ([None] if args.url else args.kv_cache_dtypes):
+        proc, url, log = (None, args.url, "") if args.url else start_server(server_args, dtype)
+        try:
+            if args.warmup_prompts:
+                asyncio.run(run_load(url, args.served_model, args.warmup_prompts, args.input_len, 4, seed=-1))
+            m = asyncio.run(run_load(url, args.served_model, args.num_prompts, args.input_len, args.output_len,
+                                     args.request_rate, args.max_concurrency, args.seed))
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(60)
+        runs.append({"kv_cache_dtype": dtype, "url": url, "server_log": log, "metrics": m})
+        print(format_table(runs[-1:]), flush=True)
+    import torch
+
+    result = {"command": command, "server_args": server_args, "runs": runs,
+              "env": {"python": platform.python_version(), "torch": torch.__version__,
+                      "machine": platform.machine(), "cpu_count": __import__("os").cpu_count(),
+                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                      "date": __import__("datetime").datetime.now().isoformat(timespec="seconds")}}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{args.tag}.md").write_text(
+        f"# {args.tag}\n\n`{command}`\n\n{result['env']}\n\n```\n{format_table(runs)}\n```\n")
+    print(format_table(runs))
+    print(f"wrote {out / args.tag}.json, .md")
+    return 0
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from .llm_engine import EngineArgs, LLMEngine, format_plan
 from .outputs import RequestOutput
 from .sampling import SamplingParams
+from .streaming import IncrementalOutput, StreamOutput
 
 Prompt = str | dict
 
@@ -76,6 +78,44 @@ class LLM:
                 engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamOutput]:
+        """Generate for one prompt and yield its new text and tokens after each step.
+
+        The pieces' ``text`` concatenates to what :meth:`generate` returns for the same prompt and
+        settings; the last piece has ``finished=True``, the finish reason and the whole
+        RequestOutput. Stopping the iteration early (``break``, ``close()``) aborts the request
+        and frees its cache blocks. The engine runs only this request while it streams.
+        """
+        if not isinstance(prompt, (str, dict)):
+            raise ValueError(f"stream() takes one prompt (a string or {{'prompt_token_ids': [...]}}), "
+                             f"got {type(prompt).__name__}; use generate() for batches")
+        engine = self.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("stream() runs on an idle engine; finish or abort the running requests first")
+        params = sampling_params or SamplingParams()
+        rid = str(next(self._ids))
+        engine.add_request(rid, prompt, params)
+        inc = IncrementalOutput(rid, params.stop)
+        try:
+            while True:
+                for out in engine.step():
+                    if out.request_id == rid:
+                        yield inc.finish(out)
+                        return
+                progress = engine.request_progress(rid)
+                piece = inc.update(*progress) if progress is not None else None
+                if piece is not None:
+                    yield piece
+        finally:
+            engine.abort_request(rid)
+
+    def stream_chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+                    add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> Iterator[StreamOutput]:
+        """:meth:`stream` of the reply to one conversation, formatted with the chat template."""
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template_kwargs)
+        return self.stream({"prompt": text, "prompt_token_ids": self._encode_chat(text)}, sampling_params)
 
     def score(self, prompt_token_ids: Seq[int], *, chunk_size: int = 256,
               logprobs_start: int = 0) -> torch.Tensor:

@@ -325,6 +325,17 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         return True
 
+    def request_progress(self, request_id: Hashable) -> tuple[list[int], str] | None:
+        """A running request's output so far: (token ids, decoded text), or None if it is not
+        running. With async scheduling the token of the step in flight is not included."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        ids = req.seq.output_token_ids
+        if ids and ids[-1] == PLACEHOLDER:
+            ids = ids[:-1]
+        return ids, self._decode_ids(ids, req.params)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
@@ -471,10 +482,12 @@ class LLMEngine:
             num_preempted=len(out.preempted), device_ms=gpu_ms, device_idle_ms=idle_ms))
 
     def _decode(self, req: _Request) -> str:
+        return self._decode_ids(req.seq.output_token_ids, req.params)
+
+    def _decode_ids(self, token_ids: list[int], params: SamplingParams) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(req.seq.output_token_ids,
-                                     skip_special_tokens=req.params.skip_special_tokens)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
 
     def _check_stop_strings(self, req: _Request, finished: list[Sequence]) -> None:
         text = self._decode(req)

@@ -37,15 +37,16 @@ class _NoGraph:
         pass
 
 
-def _timed(obj, name, acc):
-    fn = getattr(obj, name)
+def _timed(obj, name, acc, label=None):
+    """Replace obj.name by a wrapper adding its seconds to acc[label or name]."""
+    fn, key = getattr(obj, name), label or name
 
     def wrapper(*a, **k):
         t = time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            acc[name] += time.perf_counter() - t
+            acc[key] += time.perf_counter() - t
     setattr(obj, name, wrapper)
 
 

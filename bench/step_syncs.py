@@ -32,22 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import environment  # noqa: E402
+from bench.host_step import _timed as _wrap  # noqa: E402
 from tqattn import LLM, SamplingParams  # noqa: E402
 from tqattn.engine import sampled  # noqa: E402
 
 _current = {"kind": "startup"}
-
-
-def _wrap(obj, name: str, label: str, acc: dict) -> None:
-    fn = getattr(obj, name)
-
-    def wrapper(*a, **k):
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            acc[label] += time.perf_counter() - t
-    setattr(obj, name, wrapper)
 
 
 def _kind(scheduled) -> str:
@@ -63,15 +52,15 @@ def run(model: str, kv_cache_dtype: str, prompt_len: int, max_num_seqs: int) -> 
     engine = llm.llm_engine
     runner = engine.runner
     acc: dict[str, float] = defaultdict(float)
-    _wrap(engine.scheduler, "schedule", "schedule", acc)
-    _wrap(runner.input_batch, "_wait_for_copies", "wait_for_copies", acc)
-    _wrap(runner.input_batch, "prepare", "input_batch", acc)
-    _wrap(runner.input_batch, "prepare_decode", "input_batch", acc)
-    for i, b in enumerate(runner.builders):
-        _wrap(b, "build", f"build[{type(b).__name__}]", acc)
-    _wrap(runner, "_call_model", "forward", acc)
-    _wrap(runner.sampler, "sample", "sample", acc)
-    _wrap(engine, "_complete", "complete (waits for tokens)", acc)
+    _wrap(engine.scheduler, "schedule", acc, "schedule")
+    _wrap(runner.input_batch, "_wait_for_copies", acc, "wait_for_copies")
+    _wrap(runner.input_batch, "prepare", acc, "input_batch")
+    _wrap(runner.input_batch, "prepare_decode", acc, "input_batch")
+    for b in runner.builders:
+        _wrap(b, "build", acc, f"build[{type(b).__name__}]")
+    _wrap(runner, "_call_model", acc, "forward")
+    _wrap(runner.sampler, "sample", acc, "sample")
+    _wrap(engine, "_complete", acc, "complete (waits for tokens)")
     launch = runner.launch
 
     def timed_launch(scheduled, *a, **k):
@@ -83,14 +72,7 @@ def run(model: str, kv_cache_dtype: str, prompt_len: int, max_num_seqs: int) -> 
             acc["launch (total)"] += time.perf_counter() - t
     runner.launch = timed_launch
     feed = sampled.SampledTokens.feed
-
-    def timed_feed(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return feed(self, *a, **k)
-        finally:
-            acc["feed"] += time.perf_counter() - t
-    sampled.SampledTokens.feed = timed_feed
+    _wrap(sampled.SampledTokens, "feed", acc)  # a plain function on the class: still a method
 
     syncs: Counter = Counter()
 
@@ -127,6 +109,7 @@ def run(model: str, kv_cache_dtype: str, prompt_len: int, max_num_seqs: int) -> 
     finally:
         torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = old
+        sampled.SampledTokens.feed = feed  # the next dtype's run wraps it afresh
     parts = {}
     for kind, rows in steps.items():
         keys = sorted({k for r in rows for k in r})

@@ -67,7 +67,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_serve(args) -> int:
     import asyncio
-    import platform
 
     from .serve import format_table, run_load, start_server
 
@@ -89,18 +88,16 @@ def cmd_serve(args) -> int:
                 proc.wait(60)
         runs.append({"kv_cache_dtype": dtype, "url": url, "server_log": log, "metrics": m})
         print(format_table(runs[-1:]), flush=True)
-    import torch
+    from tqattn.attention.env_report import collect_env
 
-    result = {"command": command, "server_args": server_args, "runs": runs,
-              "env": {"python": platform.python_version(), "torch": torch.__version__,
-                      "machine": platform.machine(), "cpu_count": __import__("os").cpu_count(),
-                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                      "date": __import__("datetime").datetime.now().isoformat(timespec="seconds")}}
+    from .report import provenance
+
+    result = {"command": command, "server_args": server_args, "runs": runs, "env": collect_env()}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{args.tag}.md").write_text(
-        f"# {args.tag}\n\n`{command}`\n\n{result['env']}\n\n```\n{format_table(runs)}\n```\n")
+    (out / f"{args.tag}.md").write_text("\n".join(
+        [f"# {args.tag}", "", *provenance(result["env"], command), "", "```", format_table(runs), "```", ""]))
     print(format_table(runs))
     print(f"wrote {out / args.tag}.json, .md")
     return 0

@@ -184,15 +184,23 @@ def _layers_summary(attention: list[dict]) -> str:
     return "; ".join(out)
 
 
+def provenance(env: dict, command: str | None) -> list[str]:
+    """The device, the versions and the command of a result (collect_env's dict), as markdown lines."""
+    dev = env.get("device_name") or env.get("device") or ("cuda" if env.get("cuda_available") else "cpu")
+    versions = ", ".join(f"{name} {env[key]}" for name, key in (
+        ("python", "python"), ("torch", "torch"), ("triton", "triton"), ("transformers", "transformers"),
+        ("tqattn", "tqattn"), ("tokenspeed-fa3", "tokenspeed_fa3"), ("FlashAttention versions", "fa_versions"))
+        if env.get(key) is not None)
+    return [f"Device {dev}; {versions}.", f"Command: `{command}`" if command else "Command: not recorded."]
+
+
 def markdown(result: dict) -> str:
-    w, env, res = result["workload"], result["env"], result["results"]
-    dev = env.get("device_name") or ("cpu" if not env.get("cuda_available") else "cuda")
+    w, res = result["workload"], result["results"]
     lines = [
         f"# Throughput: {w['name']} ({w['num_prompts']} x {w['input_len']} in / {w['output_len']} out)",
         "",
-        f"Model `{result['model']}`; device {dev}; torch {env.get('torch')}, tqattn {env.get('tqattn')}, "
-        f"transformers {env.get('transformers')}, FlashAttention versions {env.get('fa_versions')}.",
-        f"Command: `{result['command']}`" if result.get("command") else "",
+        f"Model `{result['model']}`.",
+        *provenance(result["env"], result.get("command")),
         f"Engine arguments (the same for every dtype): `{result['engine_kwargs']}`; random prompt ids "
         f"(seed {result['seed']}), ignore_eos, temperature {result['temperature']}, "
         f"warm-up prompts {result['warmup_prompts']}.",

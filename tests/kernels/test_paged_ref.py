@@ -9,6 +9,7 @@ from tests.kernels._util import filled_cache, random_block_table, slots_for
 from tqattn.quant import paged
 from tqattn.quant.attention_ref import attention_on_codes
 from tqattn.quant.codec import TQCodec
+from tqattn.quant.presets import PRESETS as PRESETS_BY_NAME
 
 PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
            "tq_k4v4", "tq_k3.5v3.5", "tq_k4v2", "tq_k3v3", "tq_k2.5v2.5", "tq_k4v4_qjl"]
@@ -102,16 +103,21 @@ def test_kv_cache_shape_and_checks():
         paged.cache_block_size(codec, torch.zeros(10, 8, 100, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k3.5v3.5",
-                                  "tq_k4v4_qjl"])
+ALL_PRESETS = list(PRESETS_BY_NAME)
+
+
+@pytest.mark.parametrize("name", ALL_PRESETS)
 @pytest.mark.parametrize("window,softcap", [(None, 0.0), (9, 3.0)])
 def test_decode_ref_equals_attention_on_codes(name, window, softcap):
-    codec = TQCodec(name, 64)
+    """The page reader (planes, table lookups, all sequences at once) against the slot path
+    (gathered slots in vLLM's order, the codec's own decode), on caches whose page tails hold
+    stale bytes; head size 40 gives 3-bit fields that are not whole words (20 codes)."""
+    codec = TQCodec(name, 40 if name == "tq_k3.5v3" else 64)
     lens = [40, 23, 1]
-    cache, bt, seq_lens = filled_cache(codec, lens, 2, 16, key_scale=2.0)
+    cache, bt, seq_lens = filled_cache(codec, lens, 2, 16, key_scale=2.0, stale=True)
     rows = [3, 1, 1]
     qsl = torch.tensor([0, 3, 4, 5])
-    q = torch.randn(5, 6, 64)
+    q = torch.randn(5, 6, codec.head_dim)
     out, lse = paged.decode_attention_ref(codec, q, cache, bt, seq_lens, qsl, window=window,
                                           softcap=softcap, return_lse=True)
     slots = paged.gather_slots_ref(codec, cache, bt, seq_lens)
@@ -146,9 +152,11 @@ def test_continuation_rows_see_the_prefix_only():
         torch.testing.assert_close(a[i], b[0])
 
 
-def test_dequant_ref_matches_codec():
-    codec = TQCodec("tq_k3.5v3.5", 80)
-    cache, bt, lens = filled_cache(codec, [33, 5], 2, 16)
+@pytest.mark.parametrize("name", ["tq_k3.5v3.5", "turboquant_k8v4", "turboquant_3bit_nc",
+                                  "tq_k3o4v3.5", "tq_k4v4_qjl", "tq_k3v4_debias"])
+def test_dequant_ref_matches_codec(name):
+    codec = TQCodec(name, 80)
+    cache, bt, lens = filled_cache(codec, [33, 5], 2, 16, stale=True)
     k, v = paged.dequant_ref(codec, cache, bt, lens)
     slots = paged.gather_slots_ref(codec, cache, bt, lens)
     kk, vv = codec.folded().decode(torch.cat(slots))
@@ -172,3 +180,27 @@ def test_single_slot_with_odd_fp16_offset():
     # one visible key: softmax weight 1 on it, the output is its value
     torch.testing.assert_close(out[0], vv[0].expand(2, -1), rtol=1e-4, atol=1e-4)
     assert bool(torch.isinf(lse[1]).all())
+
+
+def test_page_word_values_are_the_table_at_the_codes():
+    codes = torch.randint(0, 8, (4, 5, 24))
+    table = torch.randn(8)
+    planes = paged.page_word_bytes(codes).unflatten(-1, (-1, 3)).unbind(-1)
+    assert torch.equal(paged.page_word_values(planes, paged.page_word_lut(table)), table[codes])
+
+
+def test_batched_decode_equals_one_sequence_at_a_time():
+    """Sequences of very different lengths and row counts in one call give what each gives alone."""
+    codec = TQCodec("tq_k4v3", 64)
+    lens = [70, 3, 33, 0]
+    cache, bt, seq_lens = filled_cache(codec, lens, 2, 16, stale=True)
+    qsl = torch.tensor([0, 4, 5, 7, 8])
+    q = torch.randn(9, 4, 64)                    # the last row belongs to no sequence
+    out, lse = paged.decode_attention_ref(codec, q, cache, bt, seq_lens, qsl, return_lse=True)
+    for b in range(len(lens)):
+        r0, r1 = int(qsl[b]), int(qsl[b + 1])
+        o, l = paged.decode_attention_ref(codec, q[r0:r1], cache, bt[b:b + 1], seq_lens[b:b + 1],
+                                          torch.tensor([0, r1 - r0]), return_lse=True)
+        torch.testing.assert_close(out[r0:r1], o, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse[r0:r1], l, rtol=1e-5, atol=1e-6)
+    assert bool((out[7:] == 0).all()) and bool(torch.isinf(lse[7:]).all())

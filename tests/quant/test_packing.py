@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tqattn.quant.packing import pack_bits, packed_nbytes, unpack_bits
+from tqattn.quant.packing import lookup_table, pack_bits, packed_nbytes, unpack_bits, unpack_lookup
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
@@ -30,3 +30,21 @@ def test_bad_input():
         pack_bits(torch.zeros(8), 4)
     with pytest.raises(ValueError, match="need"):
         unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 8)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("nbytes", [1, 2])
+@pytest.mark.parametrize("n", [64, 12, 6])
+def test_unpack_lookup_is_the_table_at_the_codes(bits, nbytes, n):
+    codes = torch.randint(0, 2 ** bits, (4, 3, n))
+    table = torch.randn(2 ** bits)
+    lut = lookup_table(table, bits, nbytes)
+    assert lut.shape == (256 ** nbytes, 8 * nbytes // bits)
+    assert torch.equal(unpack_lookup(pack_bits(codes, bits), bits, n, lut), table[codes])
+
+
+def test_lookup_table_needs_a_width_that_divides_a_byte():
+    with pytest.raises(ValueError, match="divides 8"):
+        lookup_table(torch.randn(8), 3)
+    with pytest.raises(ValueError, match="rows"):
+        unpack_lookup(torch.zeros(2, 4, dtype=torch.uint8), 4, 8, torch.randn(16, 2))

@@ -21,14 +21,17 @@ import torch
 from .codec import TQCodec
 
 
-def visible_keys(t: int, l: int, kv_lens, window, device, row_pos=None) -> torch.Tensor:
-    """(T, L) mask: row t sees keys [lo_t, hi_t), hi_t = kv_lens[t] (default L) and, under a
-    sliding window, lo_t = row_pos[t] − window + 1 (row_pos defaults to hi_t − 1)."""
-    pos = torch.arange(l, device=device)
-    hi = torch.full((t,), l, device=device) if kv_lens is None else kv_lens.to(device)
-    at = hi - 1 if row_pos is None else row_pos.to(device)
-    lo = (at - window + 1).clamp_min(0) if window else torch.zeros_like(hi)
-    return (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
+def visible_keys(l: int, kv_lens: torch.Tensor, window: int | None = None,
+                 row_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., T, L) mask for rows (..., T): row t sees keys [lo_t, hi_t), hi_t = kv_lens[t] and,
+    under a sliding window, lo_t = row_pos[t] − window + 1 (row_pos defaults to hi_t − 1)."""
+    pos = torch.arange(l, device=kv_lens.device)
+    hi = kv_lens[..., None]
+    seen = pos < hi
+    if window:
+        at = hi - 1 if row_pos is None else row_pos[..., None]
+        seen &= pos >= at - window + 1
+    return seen
 
 
 def decode_for_attention(codec: TQCodec, slots: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -47,12 +50,6 @@ def decode_for_attention(codec: TQCodec, slots: torch.Tensor) -> dict[str, torch
     return dec
 
 
-def split_decoded(dec: dict[str, torch.Tensor], lens: list[int]) -> list[dict[str, torch.Tensor]]:
-    """Split a decode of concatenated sequences back into one dict per sequence."""
-    parts = {k: torch.split(v, lens) for k, v in dec.items()}
-    return [{k: parts[k][i] for k in dec} for i in range(len(lens))]
-
-
 def attention_on_codes(codec: TQCodec, q: torch.Tensor, slots: torch.Tensor, **kw):
     """q (T, Hq, D), slots (L, Hk, slot_bytes) → out (T, Hq, D) float32 [, lse (T, Hq)];
     keyword arguments as :func:`attention_on_decoded`."""
@@ -63,39 +60,59 @@ def attention_on_decoded(codec: TQCodec, q: torch.Tensor, dec: dict[str, torch.T
                          scale: float | None = None, kv_lens: torch.Tensor | None = None,
                          window: int | None = None, softcap: float = 0.0,
                          row_pos: torch.Tensor | None = None, return_lse: bool = False):
-    """Attention of q (T, Hq, D) over keys/values decoded by :func:`decode_for_attention`."""
-    t, hq, d = q.shape
-    l, hk, _ = dec["keys"].shape
+    """Attention of q (T, Hq, D) over keys/values (L, Hk, ...) decoded by
+    :func:`decode_for_attention`; kv_lens defaults to L for every row."""
+    t, l = q.shape[0], dec["keys"].shape[0]
+    hi = torch.full((t,), l, device=q.device) if kv_lens is None else kv_lens.to(q.device)
+    visible = visible_keys(l, hi, window, None if row_pos is None else row_pos.to(q.device))
+    out, lse = attend(codec, q[None], {k: v[None] for k, v in dec.items()}, visible[None],
+                      scale=scale, softcap=softcap)
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def attend(codec: TQCodec, q: torch.Tensor, dec: dict[str, torch.Tensor], visible: torch.Tensor,
+           *, scale: float | None = None, softcap: float = 0.0):
+    """The math of every path: q (B, T, Hq, D) over decoded keys/values (B, L, Hk, ...) of B
+    sequences, visible (B, T, L) → out (B, T, Hq, D) float32, lse (B, T, Hq). A row that sees
+    no key gives 0 and LSE −inf.
+
+    ``dec`` may keep per-token scalars (B, L, Hk) apart from its vectors: key j is then
+    ``key_norms[j] · keys[j]`` and value j ``value_scale[j] · values[j] (+ value_zero[j])``;
+    they are applied to the scores and the weights instead of to every element."""
+    b, t, hq, d = q.shape
+    hk = dec["keys"].shape[2]
     if d != codec.head_dim or hq % hk:
-        raise ValueError(f"query shape {tuple(q.shape)} does not fit {hk} KV heads at head size "
-                         f"{codec.head_dim} (query heads must be a multiple of KV heads)")
-    group = hq // hk
+        raise ValueError(f"query shape {tuple(q.shape[1:])} does not fit {hk} KV heads at head "
+                         f"size {codec.head_dim} (query heads must be a multiple of KV heads)")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qf = q.float().reshape(t, hk, group, d)
+    qf = q.float().reshape(b, t, hk, hq // hk, d)
 
     if codec.preset.key.codec == "fp8":
-        scores = torch.einsum("tkgd,lkd->tkgl", qf, dec["keys"])
+        scores = torch.einsum("btkgd,blkd->btkgl", qf, dec["keys"])
     else:
-        scores = torch.einsum("tkgd,lkd->tkgl", qf @ codec.rotation, dec["keys"])
+        scores = torch.einsum("btkgd,blkd->btkgl", qf @ codec.rotation, dec["keys"])
+        if "key_norms" in dec:
+            scores = scores * dec["key_norms"].transpose(1, 2)[:, None, :, None, :]
         if codec.qjl_matrix is not None:
-            proj = torch.einsum("tkgd,lkd->tkgl", qf @ codec.qjl_matrix.T, dec["qjl_signs"])
-            scores = scores + proj * dec["qjl_coef"].T[None, :, None, :]
+            proj = torch.einsum("btkgd,blkd->btkgl", qf @ codec.qjl_matrix.T, dec["qjl_signs"])
+            scores = scores + proj * dec["qjl_coef"].transpose(1, 2)[:, None, :, None, :]
         if "outliers" in dec:
-            scores = scores + torch.einsum("tkgd,lkd->tkgl", qf, dec["outliers"])
+            scores = scores + torch.einsum("btkgd,blkd->btkgl", qf, dec["outliers"])
     scores = scores * scale
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
 
-    visible = visible_keys(t, l, kv_lens, window, q.device, row_pos)             # (T, L)
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                         # (T, Hk, G)
+    scores = scores.masked_fill(~visible[:, :, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                         # (B, T, Hk, G)
     p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
 
-    out = torch.einsum("tkgl,lkd->tkgd", p, dec["values"])
+    pv = p * dec["value_scale"].transpose(1, 2)[:, None, :, None, :] if "value_scale" in dec else p
+    out = torch.einsum("btkgl,blkd->btkgd", pv, dec["values"])
+    if "value_zero" in dec:
+        out = out + torch.einsum("btkgl,blk->btkg", p, dec["value_zero"])[..., None]
     if codec.values is not None:
         out = out @ codec.rotation.T
-    out = out.reshape(t, hq, d)
-    return (out, lse.reshape(t, hq)) if return_lse else out
+    return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -111,6 +128,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     s = torch.einsum("thd,lhd->thl", q.float(), kf) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    visible = visible_keys(t, l, kv_lens, window, k.device)
+    hi = torch.full((t,), l, device=k.device) if kv_lens is None else kv_lens.to(k.device)
+    visible = visible_keys(l, hi, window)
     s = s.masked_fill(~visible[:, None, :], float("-inf"))
     return torch.einsum("thl,lhd->thd", torch.softmax(s, -1).nan_to_num(0.0), vf)

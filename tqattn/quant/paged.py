@@ -63,10 +63,10 @@ from functools import lru_cache
 
 import torch
 
-from .attention_ref import attention_on_decoded, decode_for_attention, split_decoded
+from .attention_ref import attend, visible_keys
 from .codec import TQCodec
 from .layout import Field, build_layout
-from .packing import pack_bits, unpack_bits
+from .packing import lookup_table, pack_bits, unpack_bits, unpack_lookup
 
 
 def _is_fp16_field(f: Field) -> bool:
@@ -205,25 +205,170 @@ def gather_slots_ref(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch.
     return [pages[starts[b]:starts[b] + n] for b, n in enumerate(lens)]
 
 
+# ---- reading pages ---------------------------------------------------------------------------------
+# The decode and dequantize references read the codes where the page keeps them: whole pages
+# of every sequence in one gather, each field's plane sliced out of them, codes turned into
+# values by table lookups — no per-sequence or per-block Python loop and no repacking.
+
+def sequence_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages (B, Hk, n, block_size·slot_bytes), valid (B, n·block_size)): the first n blocks of
+    every sequence (n covers the longest; blocks past a sequence's own read block 0) and which
+    of their token positions the sequence holds."""
+    lens = seq_lens.to(device=kv_cache.device, dtype=torch.int64)
+    n = -(-int(lens.max()) // block_size) if lens.numel() else 0
+    cols = torch.arange(n, device=kv_cache.device)
+    ids = block_table[:, :n].to(device=kv_cache.device, dtype=torch.int64)
+    ids = torch.where(cols[None, :] * block_size < lens[:, None], ids, 0)
+    valid = torch.arange(n * block_size, device=kv_cache.device)[None, :] < lens[:, None]
+    pages = kv_cache.index_select(0, ids.flatten()).unflatten(0, ids.shape)
+    return pages.transpose(1, 2), valid
+
+
+def field_bytes(pages: torch.Tensor, f: Field, block_size: int) -> torch.Tensor:
+    """A field of one byte per word (module docstring) of every token of pages (..., n,
+    block_size·slot_bytes): (..., n·block_size, nbytes) in slot byte order."""
+    plane = pages[..., block_size * f.offset:block_size * (f.offset + f.nbytes)]
+    return plane.unflatten(-1, (block_size, f.nbytes)).flatten(-3, -2)
+
+
+def word_planes(pages: torch.Tensor, f: Field, block_size: int) -> list[torch.Tensor]:
+    """The three sub-planes of a 3-bit word field, each (..., n·block_size, words) uint8."""
+    g = f.nbytes // 3
+    plane = pages[..., block_size * f.offset:block_size * (f.offset + f.nbytes)]
+    if column_major(f):
+        subs = plane.unflatten(-1, (3, g, block_size)).transpose(-1, -2)
+    else:
+        subs = plane.unflatten(-1, (3, block_size, g))
+    return [subs[..., s, :, :].flatten(-3, -2) for s in range(3)]
+
+
+def fp16_field(pages: torch.Tensor, f: Field, block_size: int) -> torch.Tensor:
+    """An fp16 field of every token as float32 (..., n·block_size)."""
+    raw = field_bytes(pages, f, block_size).clone(memory_format=torch.contiguous_format)
+    return raw.view(torch.float16)[..., 0].float()
+
+
+def page_word_lut(table: torch.Tensor) -> torch.Tensor:
+    """(2**14, 4): the table values of the codes that two ``byte & 0x77`` selectors of a page
+    word hold (the first selector in the low 7 bits)."""
+    r = torch.arange(1 << 14, device=table.device)
+    return table[torch.stack([r & 7, (r >> 4) & 7, (r >> 7) & 7, (r >> 11) & 7], -1)]
+
+
+def page_word_values(planes: list[torch.Tensor], lut: torch.Tensor) -> torch.Tensor:
+    """``table[page_word_codes(words)]`` (..., 8·words) from the three sub-planes (..., words)
+    of page-order words, ``lut = page_word_lut(table)``.
+
+    As the decode kernel does: ``byte & 0x77`` holds codes 2s and 2s+1 as nibbles, and bits 3
+    and 7 of the three bytes gathered into one byte give codes 6 and 7 the same way; two such
+    selectors index one row of four values."""
+    b0, b1, b2 = planes
+    hi = ((b0 >> 3) & 0x11) | ((b1 >> 2) & 0x22) | ((b2 >> 1) & 0x44)
+    lo = (b0 & 0x77).int() | ((b1 & 0x77).int() << 7)
+    up = (b2 & 0x77).int() | (hi.int() << 7)
+    return torch.nn.functional.embedding(torch.stack([lo, up], -1), lut).flatten(-3)
+
+
+@lru_cache(maxsize=64)
+def _code_luts(codec: TQCodec) -> dict[str, torch.Tensor]:
+    """The decode table of every packed field of the codec, by field name: page words read two
+    selectors per index, 4-bit fields two bytes, other widths that divide a byte one byte; 3-bit
+    fields that are not whole words keep the plain code table."""
+    lay, dev = codec.layout, codec.device
+    tables = []
+    for codes in (codec.keys, codec.values):
+        if codes is not None:
+            tables += list(zip(codes.fields, codes.centroids))
+    if codec.qjl_matrix is not None:
+        tables.append((lay.field("k_qjl"), torch.tensor([-1.0, 1.0], device=dev)))
+    if lay.has("v_q"):
+        f = lay.field("v_q")
+        tables.append((f, torch.arange(2 ** f.bits, device=dev, dtype=torch.float32)))
+    luts = {}
+    for f, table in tables:
+        if field_words(f) == 3:
+            luts[f.name] = page_word_lut(table)
+        elif 8 % f.bits == 0:
+            luts[f.name] = lookup_table(table, f.bits, 2 if f.bits == 4 else 1)
+        else:
+            luts[f.name] = table
+    return luts
+
+
+def _field_values(codec: TQCodec, pages, f: Field, block_size: int) -> torch.Tensor:
+    lut = _code_luts(codec)[f.name].to(pages.device)
+    if field_words(f) == 3:
+        return page_word_values(word_planes(pages, f, block_size), lut)
+    if 8 % f.bits:
+        return lut[unpack_bits(field_bytes(pages, f, block_size), f.bits, f.count)]
+    return unpack_lookup(field_bytes(pages, f, block_size), f.bits, f.count, lut)
+
+
+def _unit_vectors(codec: TQCodec, codes, pages, block_size: int) -> torch.Tensor:
+    """The (corrected) centroid vectors of one of the codec's ``_ScalarCodes`` (what
+    ``codes.centroid_vectors`` gives on the same slots)."""
+    parts = [_field_values(codec, pages, f, block_size) for f in codes.fields]
+    c = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
+    if codes.correction == "nc":
+        return c / c.norm(dim=-1, keepdim=True)
+    return c * codes.debias if codes.correction == "debias" else c
+
+
+def decode_pages(codec: TQCodec, pages: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What attention reads of every token of pages (B, Hk, n, page bytes), as tensors (B,
+    n·block_size, Hk, ...): :func:`~tqattn.quant.attention_ref.decode_for_attention`'s entries
+    with the per-token scalars kept apart (``key_norms``, ``value_scale``, ``value_zero``: see
+    :func:`~tqattn.quant.attention_ref.attend`), so no full-size tensor is multiplied by them.
+    The value scalars of positions outside ``valid`` (B, n·block_size) are 0: stale page bytes
+    never reach an output through a zero weight."""
+    lay, bs = codec.layout, pages.shape[-1] // codec.slot_bytes
+    keep = valid[:, None, :]                                                       # (B, 1, L)
+    if codec.preset.key.codec == "fp8":
+        raw = field_bytes(pages, lay.field("k_fp8"), bs).contiguous()
+        dec = {"keys": raw.view(torch.float8_e4m3fn).float()}
+    else:
+        n = fp16_field(pages, lay.field("k_norm"), bs)
+        dec = {"keys": _unit_vectors(codec, codec.keys, pages, bs), "key_norms": n}
+        if codec.qjl_matrix is not None:
+            dec["qjl_signs"] = _field_values(codec, pages, lay.field("k_qjl"), bs)
+            dec["qjl_coef"] = (n * fp16_field(pages, lay.field("k_rnorm"), bs)
+                               * math.sqrt(math.pi / 2) / codec.head_dim)
+        if codec.preset.key.outliers:
+            d = codec.head_dim
+            idx = field_bytes(pages, lay.field("k_out_idx"), bs).long().clamp(max=d)
+            val = field_bytes(pages, lay.field("k_out_val"), bs).contiguous().view(torch.float8_e4m3fn)
+            dense = torch.zeros(*idx.shape[:-1], d + 1, device=pages.device)
+            dec["outliers"] = dense.scatter_add_(-1, idx, val.float())[..., :d]
+    if codec.values is not None:
+        dec["values"] = _unit_vectors(codec, codec.values, pages, bs)
+        dec["value_scale"] = torch.where(keep, fp16_field(pages, lay.field("v_norm"), bs), 0.0)
+    else:
+        dec["values"] = _field_values(codec, pages, lay.field("v_q"), bs)
+        dec["value_scale"] = torch.where(keep, fp16_field(pages, lay.field("v_scale"), bs), 0.0)
+        dec["value_zero"] = torch.where(keep, fp16_field(pages, lay.field("v_zero"), bs), 0.0)
+    return {k: v.transpose(1, 2) for k, v in dec.items()}
+
+
 # ---- decode attention -------------------------------------------------------------------------------
 
-def _row_layout(seq_lens, query_start_loc, query_pos_start, num_rows):
+def _row_layout(seq_lens, query_start_loc, query_pos_start, num_rows, device):
+    """(query_start_loc, first row position) per sequence as int64 tensors on ``device``."""
     b = seq_lens.numel()
     if query_start_loc is None:
         if num_rows != b:
             raise ValueError(f"q has {num_rows} rows but there are {b} sequences; pass "
                              f"query_start_loc for several rows per sequence")
-        qsl = list(range(b + 1))
+        qsl = torch.arange(b + 1, device=device)
     else:
-        qsl = query_start_loc.tolist()
-        if len(qsl) != b + 1 or qsl[-1] > num_rows:
-            raise ValueError(f"query_start_loc {qsl} does not fit {b} sequences and {num_rows} rows")
-    lens = seq_lens.tolist()
+        qsl = query_start_loc.to(device=device, dtype=torch.int64)
+        if qsl.numel() != b + 1 or int(qsl[-1]) > num_rows:
+            raise ValueError(f"query_start_loc {qsl.tolist()} does not fit {b} sequences and "
+                             f"{num_rows} rows")
+    lens = seq_lens.to(device=device, dtype=torch.int64)
     if query_pos_start is None:
-        starts = [lens[i] - (qsl[i + 1] - qsl[i]) for i in range(b)]
-    else:
-        starts = query_pos_start.tolist()
-    return qsl, lens, starts
+        return qsl, lens - (qsl[1:] - qsl[:-1])
+    return qsl, query_pos_start.to(device=device, dtype=torch.int64)
 
 
 def decode_attention_ref(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Tensor,
@@ -234,28 +379,34 @@ def decode_attention_ref(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Tensor
                          return_lse: bool = False):
     """Attention of q (rows, Hq, D) over the paged compressed cache → fp32 (rows, Hq, D) [, lse].
 
-    Row semantics: see the module docstring.
+    Row semantics: see the module docstring. All sequences at once: their caches are decoded
+    padded to the longest and their rows padded to the most rows of one sequence.
     """
     rows, hq, d = q.shape
     hk = kv_cache.shape[1]
     if d != codec.head_dim or hq % hk:
         raise ValueError(f"q shape {tuple(q.shape)} does not fit {hk} KV heads at head size "
                          f"{codec.head_dim}")
-    qsl, lens, starts = _row_layout(seq_lens, query_start_loc, query_pos_start, rows)
-    # decode every sequence's codes in one pass (the per-call cost dominates on the CPU)
-    slots = gather_slots_ref(codec, kv_cache, block_table, seq_lens)
-    decoded = (split_decoded(decode_for_attention(codec.folded(), torch.cat(slots)), lens)
-               if slots else [])
-    out = torch.zeros(rows, hq, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((rows, hq), -math.inf, dtype=torch.float32, device=q.device)
-    for b, dec in enumerate(decoded):
-        r0, r1 = qsl[b], qsl[b + 1]
-        if r1 == r0 or lens[b] == 0:
-            continue
-        pos = starts[b] + torch.arange(r1 - r0, device=q.device)
-        out[r0:r1], lse[r0:r1] = attention_on_decoded(
-            codec, q[r0:r1], dec, scale=scale, kv_lens=torch.clamp(pos + 1, max=lens[b]),
-            row_pos=pos, window=window, softcap=softcap, return_lse=True)
+    dev = q.device
+    qsl, starts = _row_layout(seq_lens, query_start_loc, query_pos_start, rows, dev)
+    out = torch.zeros(rows, hq, d, dtype=torch.float32, device=dev)
+    lse = torch.full((rows, hq), -math.inf, dtype=torch.float32, device=dev)
+    counts = qsl[1:] - qsl[:-1]
+    n_rows = int(qsl[-1])
+    if n_rows == 0 or not bool((seq_lens > 0).any()):
+        return (out, lse) if return_lse else out
+    pages, valid = sequence_pages(kv_cache, block_table, seq_lens, cache_block_size(codec, kv_cache))
+    dec = decode_pages(codec.folded(), pages, valid.to(dev))
+    # rows → (sequence, row within it), padded to the most rows of one sequence
+    seq = torch.repeat_interleave(torch.arange(len(counts), device=dev), counts)
+    t = torch.arange(n_rows, device=dev) - qsl[seq]
+    q_pad = q.new_zeros(len(counts), int(counts.max()), hq, d)
+    q_pad[seq, t] = q[:n_rows]
+    pos = starts[:, None] + torch.arange(q_pad.shape[1], device=dev)                # (B, T)
+    kv_lens = torch.minimum(pos + 1, seq_lens.to(device=dev, dtype=torch.int64)[:, None])
+    visible = visible_keys(valid.shape[1], kv_lens.clamp_min(0), window, row_pos=pos)
+    o, l = attend(codec, q_pad, dec, visible, scale=scale, softcap=softcap)
+    out[:n_rows], lse[:n_rows] = o[seq, t], l[seq, t]
     return (out, lse) if return_lse else out
 
 
@@ -265,9 +416,22 @@ def dequant_ref(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch.Tenso
                 seq_lens: torch.Tensor, dtype: torch.dtype = torch.float32):
     """Paged cache → K, V (sum(seq_lens), Hk, D) in the original basis, packed by sequence
     (sequence b at rows cu_seqlens[b]:cu_seqlens[b+1], cu_seqlens = [0, cumsum(seq_lens)])."""
-    slots = gather_slots_ref(codec, kv_cache, block_table, seq_lens)
-    if sum(x.shape[0] for x in slots) == 0:
-        d, hk = codec.head_dim, kv_cache.shape[1]
+    d, hk = codec.head_dim, kv_cache.shape[1]
+    if int(seq_lens.sum()) == 0:
         return (torch.zeros(0, hk, d, dtype=dtype, device=kv_cache.device),) * 2
-    k, v = codec.folded().decode(torch.cat(slots))  # one decode for all sequences, as in decode_attention_ref
+    folded = codec.folded()
+    pages, valid = sequence_pages(kv_cache, block_table, seq_lens, cache_block_size(codec, kv_cache))
+    dec = {k: v[valid] for k, v in decode_pages(folded, pages, valid).items()}   # (N, Hk, ...)
+    k = dec["keys"]
+    if folded.preset.key.codec != "fp8":
+        k = (dec["key_norms"][..., None] * k) @ folded.rotation.T
+        if "outliers" in dec:
+            k = k + dec["outliers"]
+        if folded.qjl_matrix is not None:
+            k = k + dec["qjl_coef"][..., None] * (dec["qjl_signs"] @ folded.qjl_matrix)
+    v = dec["value_scale"][..., None] * dec["values"]
+    if folded.values is not None:
+        v = v @ folded.rotation.T
+    else:
+        v = v + dec["value_zero"][..., None]
     return k.to(dtype), v.to(dtype)

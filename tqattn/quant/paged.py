@@ -110,9 +110,10 @@ def _page_positions(preset, head_dim: int, block_size: int) -> torch.Tensor:
 def page_word_bytes(codes: torch.Tensor) -> torch.Tensor:
     """3-bit codes (..., 8k) → page-order bytes (..., 3k) (see the module docstring)."""
     c = codes.to(torch.int32).unflatten(-1, (-1, 8))
-    out = [c[..., 2 * s] | (c[..., 2 * s + 1] << 4) | (((c[..., 6] >> s) & 1) << 3)
-           | (((c[..., 7] >> s) & 1) << 7) for s in range(3)]
-    return torch.stack(out, -1).flatten(-2).to(torch.uint8)
+    s = torch.arange(3, device=codes.device, dtype=torch.int32)
+    out = (c[..., 0:6:2] | (c[..., 1:6:2] << 4) | (((c[..., 6:7] >> s) & 1) << 3)
+           | (((c[..., 7:8] >> s) & 1) << 7))
+    return out.flatten(-2).to(torch.uint8)
 
 
 def page_word_codes(b: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ def _run(argv):
 def test_parser_shapes():
     ap = _parser()
     a = ap.parse_args(["eval", "gsm8k", "--config", "SmolLM2-135M-auto", "--limit", "2", "--model", "m"])
-    assert (a.config, a.limit, a.model) == ("SmolLM2-135M-auto", 2, "m")
+    assert (a.config, a.limit, a.model) == (["SmolLM2-135M-auto"], 2, "m")
     a = ap.parse_args(["eval", "ppl", "--presets", "tq_k3v4,turboquant_k3v4_nc", "--context", "2048",
                        "--context", "8192", "--engine-arg", "max_model_len=8192"])
     assert a.presets == ["tq_k3v4", "turboquant_k3v4_nc"] and a.context == [2048, 8192]
@@ -76,3 +76,28 @@ def test_gsm8k_command_writes_json_and_sets_exit_code(tmp_path, monkeypatch, fak
     res = json.loads(out.read_text())
     assert res["accuracy"] == 1.0 and len(res["samples"]) == 3
     assert json.loads(capsys.readouterr().out.split("\n", 1)[1])["passed"] is True
+
+
+def test_several_gsm8k_configs_print_a_table_and_fail_if_one_fails(tmp_path, monkeypatch, fake_params,
+                                                                   capsys):
+    from tqattn.evals.data import chain_sum_items
+
+    gold = {f"{it.question} =": it.answer for it in chain_sum_items(6, 1234)}
+    built = []
+
+    def factory(*a, **k):
+        def make(kv):
+            built.append(kv)
+            return FakeLLM(kv, lambda kv, p: f" The result is {gold[last_question(p)] + (kv == 'tq_k3v4')}.")
+        return make
+    monkeypatch.setattr(gsm8k.scoring, "llm_factory", factory)
+    out = tmp_path / "r.json"
+    rc = _run(["eval", "gsm8k", "--config", "SmolLM2-135M-arith-tq_k4*", "--config",
+               "SmolLM2-135M-arith-tq_k3v4", "--limit", "6", "--output", str(out)])
+    assert rc == 1                                     # tq_k3v4 answers every problem off by one
+    assert built == ["auto", "tq_k4v3", "tq_k4v4", "tq_k3v4"]   # one auto run for all three
+    table = capsys.readouterr().out
+    assert "| SmolLM2-135M-arith-tq_k3v4 | tq_k3v4 | 6 | 0.000 | 1.000 |" in table
+    assert table.count("| yes |") == 2 and table.count("| **no** |") == 1
+    assert [r["kv_cache_dtype"] for r in json.loads(out.read_text())["results"]] == \
+        ["tq_k4v3", "tq_k4v4", "tq_k3v4"]

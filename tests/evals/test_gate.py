@@ -3,11 +3,13 @@ TurboQuant preset pass it on the first LIMIT problems, and a cache whose codes a
 
 Why LIMIT = 50 makes the corrupted cache fail reliably: its bound is auto's accuracy minus
 gsm8k.sigma_max_drop(50, 3) = 0.300. With every code zeroed, all keys of a head point the same
-way and all values too, so attention cannot find the question: the model answers at most as a
-constant guess would, <= chance (the commonest answer's share, 0.10 on these problems), and
-usually writes no "The result is N" at all. auto answers ~0.5 of them; failing therefore needs
-only auto >= 0.10 + 0.30 on the same 50 problems, a margin of ~5 standard deviations of auto's
-accuracy (sd <= 0.07 at n = 50). The test asserts each part of that argument.
+way and all values too, so attention cannot find the question (nor, for every prompt after the
+first, the exemplars, which come from the prefix cache): the model answers no better than a
+constant guess, <= chance (the commonest answer's share, 0.10 on these problems) — in fact it
+writes no "The result is N" at all (0 of 50). auto answers ~0.5 of them (0.48); failing needs
+only auto >= 0.10 + 0.30 on the same 50 problems, a margin of ~5 standard deviations of one
+accuracy at n = 50 (<= 0.071). The test asserts each part of that argument. All of it takes
+~50 s on 2 cores (three engine runs of 50 short prompts).
 """
 
 import importlib.util

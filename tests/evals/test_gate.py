@@ -1,15 +1,16 @@
 """The arithmetic gate on the real embedded model (SmolLM2-135M-Instruct, CPU): `auto` and one
 TurboQuant preset pass it on the first LIMIT problems, and a cache whose codes are zeroed fails.
 
-Why LIMIT = 50 makes the corrupted cache fail reliably: its bound is auto's accuracy minus
-gsm8k.sigma_max_drop(50, 3) = 0.300. With every code zeroed, all keys of a head point the same
-way and all values too, so attention cannot find the question (nor, for every prompt after the
-first, the exemplars, which come from the prefix cache): the model answers no better than a
-constant guess, <= chance (the commonest answer's share, 0.10 on these problems) — in fact it
-writes no "The result is N" at all (0 of 50). auto answers ~0.5 of them (0.48); failing needs
-only auto >= 0.10 + 0.30 on the same 50 problems, a margin of ~5 standard deviations of one
-accuracy at n = 50 (<= 0.071). The test asserts each part of that argument. All of it takes
-~50 s on 2 cores (three engine runs of 50 short prompts).
+Why LIMIT = 50 makes the corrupted cache fail reliably. With every code zeroed, all keys of a
+head point the same way and all values too, so attention cannot find the question (nor, for
+every prompt after the first, the exemplars, which come from the prefix cache): the model
+writes no "The result is N" at all, accuracy 0 — and no better than a constant guess (chance,
+the commonest answer's share: 0.10 on these problems) whatever it writes. Its bound is auto's
+accuracy minus gsm8k.sigma_max_drop(50, 3) = 0.300, so it fails whenever auto answers more than
+0.30 of the 50, or more than 0.40 for a cache that guessed at chance. auto answers 0.48–0.56 of
+them (two schedules of the engine measured; 0.533 of all 150), and an accuracy whose rate is
+0.53 falls to 0.30 on 50 problems with probability ~0.05 % (3.3 standard deviations, each
+<= 0.071 at n = 50). Takes ~50 s on 2 cores (three engine runs of 50 short prompts).
 """
 
 import importlib.util
@@ -65,7 +66,5 @@ def test_a_cache_with_zeroed_codes_fails(reference_runs, monkeypatch):
     monkeypatch.setattr(paged, "store_ref", _zero_codes(paged.store_ref))
     res = gsm8k.run_gsm8k(gsm8k.load_config(PRESET_CONFIG), limit=LIMIT,
                           reference_runs=reference_runs)
-    check = res["checks"][0]
-    assert res["auto_accuracy"] >= res["chance"] + check["max_drop"]   # the margin the docstring derives
-    assert res["accuracy"] <= res["chance"]
-    assert not res["passed"] and not check["passed"]
+    assert res["accuracy"] <= res["chance"]        # no better than a constant guess (docstring)
+    assert not res["passed"] and not res["checks"][0]["passed"]

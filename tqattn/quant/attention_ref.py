@@ -74,11 +74,7 @@ def attend(codec: TQCodec, q: torch.Tensor, dec: dict[str, torch.Tensor], visibl
            *, scale: float | None = None, softcap: float = 0.0):
     """The math of every path: q (B, T, Hq, D) over decoded keys/values (B, L, Hk, ...) of B
     sequences, visible (B, T, L) → out (B, T, Hq, D) float32, lse (B, T, Hq). A row that sees
-    no key gives 0 and LSE −inf.
-
-    ``dec`` may keep per-token scalars (B, L, Hk) apart from its vectors: key j is then
-    ``key_norms[j] · keys[j]`` and value j ``value_scale[j] · values[j] (+ value_zero[j])``;
-    they are applied to the scores and the weights instead of to every element."""
+    no key gives 0 and LSE −inf."""
     b, t, hq, d = q.shape
     hk = dec["keys"].shape[2]
     if d != codec.head_dim or hq % hk:
@@ -91,8 +87,6 @@ def attend(codec: TQCodec, q: torch.Tensor, dec: dict[str, torch.Tensor], visibl
         scores = torch.einsum("btkgd,blkd->btkgl", qf, dec["keys"])
     else:
         scores = torch.einsum("btkgd,blkd->btkgl", qf @ codec.rotation, dec["keys"])
-        if "key_norms" in dec:
-            scores = scores * dec["key_norms"].transpose(1, 2)[:, None, :, None, :]
         if codec.qjl_matrix is not None:
             proj = torch.einsum("btkgd,blkd->btkgl", qf @ codec.qjl_matrix.T, dec["qjl_signs"])
             scores = scores + proj * dec["qjl_coef"].transpose(1, 2)[:, None, :, None, :]
@@ -106,10 +100,7 @@ def attend(codec: TQCodec, q: torch.Tensor, dec: dict[str, torch.Tensor], visibl
     lse = torch.logsumexp(scores, dim=-1)                                         # (B, T, Hk, G)
     p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
 
-    pv = p * dec["value_scale"].transpose(1, 2)[:, None, :, None, :] if "value_scale" in dec else p
-    out = torch.einsum("btkgl,blkd->btkgd", pv, dec["values"])
-    if "value_zero" in dec:
-        out = out + torch.einsum("btkgl,blk->btkg", p, dec["value_zero"])[..., None]
+    out = torch.einsum("btkgl,blkd->btkgd", p, dec["values"])
     if codec.values is not None:
         out = out @ codec.rotation.T
     return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)

@@ -317,12 +317,10 @@ def _unit_vectors(codec: TQCodec, codes, pages, block_size: int) -> torch.Tensor
 
 
 def decode_pages(codec: TQCodec, pages: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-    """What attention reads of every token of pages (B, Hk, n, page bytes), as tensors (B,
-    n·block_size, Hk, ...): :func:`~tqattn.quant.attention_ref.decode_for_attention`'s entries
-    with the per-token scalars kept apart (``key_norms``, ``value_scale``, ``value_zero``: see
-    :func:`~tqattn.quant.attention_ref.attend`), so no full-size tensor is multiplied by them.
-    The value scalars of positions outside ``valid`` (B, n·block_size) are 0: stale page bytes
-    never reach an output through a zero weight."""
+    """:func:`~tqattn.quant.attention_ref.decode_for_attention` of every token of pages (B, Hk,
+    n, page bytes) → tensors (B, n·block_size, Hk, ...), computed in the same order (so to the
+    same bits). Values at positions outside ``valid`` (B, n·block_size) are 0: stale page bytes
+    never reach an output through a zero weight (0 · NaN would)."""
     lay, bs = codec.layout, pages.shape[-1] // codec.slot_bytes
     keep = valid[:, None, :]                                                       # (B, 1, L)
     if codec.preset.key.codec == "fp8":
@@ -330,7 +328,7 @@ def decode_pages(codec: TQCodec, pages: torch.Tensor, valid: torch.Tensor) -> di
         dec = {"keys": raw.view(torch.float8_e4m3fn).float()}
     else:
         n = fp16_field(pages, lay.field("k_norm"), bs)
-        dec = {"keys": _unit_vectors(codec, codec.keys, pages, bs), "key_norms": n}
+        dec = {"keys": _unit_vectors(codec, codec.keys, pages, bs).mul_(n[..., None])}
         if codec.qjl_matrix is not None:
             dec["qjl_signs"] = _field_values(codec, pages, lay.field("k_qjl"), bs)
             dec["qjl_coef"] = (n * fp16_field(pages, lay.field("k_rnorm"), bs)
@@ -342,12 +340,13 @@ def decode_pages(codec: TQCodec, pages: torch.Tensor, valid: torch.Tensor) -> di
             dense = torch.zeros(*idx.shape[:-1], d + 1, device=pages.device)
             dec["outliers"] = dense.scatter_add_(-1, idx, val.float())[..., :d]
     if codec.values is not None:
-        dec["values"] = _unit_vectors(codec, codec.values, pages, bs)
-        dec["value_scale"] = torch.where(keep, fp16_field(pages, lay.field("v_norm"), bs), 0.0)
+        n = torch.where(keep, fp16_field(pages, lay.field("v_norm"), bs), 0.0)
+        dec["values"] = _unit_vectors(codec, codec.values, pages, bs).mul_(n[..., None])
     else:
-        dec["values"] = _field_values(codec, pages, lay.field("v_q"), bs)
-        dec["value_scale"] = torch.where(keep, fp16_field(pages, lay.field("v_scale"), bs), 0.0)
-        dec["value_zero"] = torch.where(keep, fp16_field(pages, lay.field("v_zero"), bs), 0.0)
+        scale = torch.where(keep, fp16_field(pages, lay.field("v_scale"), bs), 0.0)
+        zero = torch.where(keep, fp16_field(pages, lay.field("v_zero"), bs), 0.0)
+        q = _field_values(codec, pages, lay.field("v_q"), bs)
+        dec["values"] = q.mul_(scale[..., None]).add_(zero[..., None])
     return {k: v.transpose(1, 2) for k, v in dec.items()}
 
 
@@ -423,16 +422,13 @@ def dequant_ref(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch.Tenso
     folded = codec.folded()
     pages, valid = sequence_pages(kv_cache, block_table, seq_lens, cache_block_size(codec, kv_cache))
     dec = {k: v[valid] for k, v in decode_pages(folded, pages, valid).items()}   # (N, Hk, ...)
-    k = dec["keys"]
-    if folded.preset.key.codec != "fp8":
-        k = (dec["key_norms"][..., None] * k) @ folded.rotation.T
+    k, v = dec["keys"], dec["values"]
+    if folded.preset.key.codec != "fp8":               # the order of TQCodec.decode_keys
+        k = k @ folded.rotation.T
         if "outliers" in dec:
             k = k + dec["outliers"]
         if folded.qjl_matrix is not None:
             k = k + dec["qjl_coef"][..., None] * (dec["qjl_signs"] @ folded.qjl_matrix)
-    v = dec["value_scale"][..., None] * dec["values"]
     if folded.values is not None:
         v = v @ folded.rotation.T
-    else:
-        v = v + dec["value_zero"][..., None]
     return k.to(dtype), v.to(dtype)

@@ -55,7 +55,7 @@ def store_launches():
         store_kv_triton(codec, k, k.clone(), cache, torch.arange(n))
 
     # 32 and 33 tokens: one build (the row count is no specialization key)
-    return lambda: [store(n) for n in (32, 33)]
+    return [lambda: store(32), lambda: store(33)]
 
 
 def warmup_launches():
@@ -76,10 +76,9 @@ def warmup_launches():
     runner = llm.llm_engine.runner
     torch.set_num_threads(1)
 
-    def run():
-        extra = backend_token_counts(llm.llm_engine.layers, 16, "cuda", 64)
-        run_warmup(runner, warmup_steps(4, 64, 512, 16, extra))
-    return run
+    extra = backend_token_counts(llm.llm_engine.layers, 16, "cuda", 64)
+    steps = warmup_steps(4, 64, 512, 16, extra)
+    return [lambda s=s: run_warmup(runner, [s]) for s in steps]
 
 
 class RecordingPool:
@@ -98,8 +97,7 @@ def round_trip(launches) -> dict:
     build finds its kernel and has the same cache key."""
     pool = RecordingPool()
     capture = Capture(pool, TARGET)
-    with capture.deferring():
-        launches()
+    capture.run(launches)
     same = [pickle.loads(pickle.dumps(b)).cache_key() == b.cache_key() for b in pool.builds]
     return {"summary": capture.summary(), "kernels": sorted({b.name for b in pool.builds}),
             "same_key": same}
@@ -119,13 +117,13 @@ def main(case: str) -> None:
         precompile_s = time.perf_counter() - t
         # again: every build is now in the disk cache, nothing goes to a pool
         again = Capture(NoPool(), TARGET)
-        with again.deferring():
-            launches()
+        again.run(launches)
         # the parent's own compile of each launch, as the JIT would on the GPU: disk-cache hits
         hits = []
         knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
         with capturing() as got:
-            launches()
+            for step in launches:
+                step()
         t = time.perf_counter()
         for fn, args, kwargs in got:
             compile_captured(fn, args, kwargs)

@@ -119,30 +119,62 @@ def test_a_build_in_the_disk_cache_is_not_sent(launched):
     assert time.perf_counter() - t < seconds / 3
 
 
+class SlowPool(Pool):
+    """Each build done 0.3 s after it is sent."""
+
+    def __init__(self, order):
+        super().__init__()
+        self.order = order
+
+    def submit(self, build):
+        self.order.append(f"sent {build.constexprs[(2,)]}")
+        fut = Future()
+
+        def finish():
+            time.sleep(0.3)
+            self.order.append(f"compiled {build.constexprs[(2,)]}")
+            fut.set_result((0.3, build.cache_key()))
+        threading.Thread(target=finish).start()
+        return fut
+
+
 def test_warmup_calls_wait_for_their_build_then_run(launched):
     order = []
-
-    class SlowPool(Pool):
-        def submit(self, build):
-            order.append("submitted")
-            fut = Future()
-
-            def finish():
-                time.sleep(0.2)
-                order.append("compiled")
-                fut.set_result((0.2, build.cache_key()))
-            threading.Thread(target=finish).start()
-            return fut
-
-    capture = Capture(SlowPool(), TARGET, prefix="tests.")
+    capture = Capture(SlowPool(order), TARGET, prefix="tests.")
     with capture.deferring():
         # warmup=True returns the compiled kernel (decode_mma.programs_per_sm reads it)
         assert _add_one.warmup(torch.zeros(8), 3, BLOCK=4, grid=(1,)) == "compiled kernel"
-    assert order == ["submitted", "compiled"] and launched == [("_add_one", 3, True)]
+    assert order == ["sent 4", "compiled 4"] and launched == [("_add_one", 3, True)]
     failing = Capture(Pool(lambda b: 1 / 0), TARGET, prefix="tests.")
     with failing.deferring():   # the pool's failure: triton compiles it as it always does
         assert _add_one.warmup(torch.zeros(8), 3, BLOCK=4, grid=(1,)) == "compiled kernel"
     assert "ZeroDivisionError" in failing.summary()["failed"][0]
+
+
+def test_a_step_waiting_for_a_build_runs_again_at_the_end(launched):
+    """The step stops at its warmup=True call; the next steps' builds are sent meanwhile."""
+    order, got = [], []
+
+    def first():
+        order.append("first")
+        got.append(_add_one.warmup(torch.zeros(8), 3, BLOCK=4, grid=(1,)))
+        order.append("got the kernel")
+        _add_one[(1,)](torch.zeros(8), 3, BLOCK=16)   # after the kernel it needed
+
+    def second():
+        order.append("second")
+        _add_one[(1,)](torch.zeros(8), 3, BLOCK=8)
+    capture = Capture(SlowPool(order), TARGET, prefix="tests.")
+    capture.run([first, second])
+    assert order[:4] == ["first", "sent 4", "second", "sent 8"]
+    assert order[4] == "first" and order.index("got the kernel") > order.index("compiled 4")
+    assert got == ["compiled kernel"] and launched == [("_add_one", 3, True)]
+    assert capture.wait(5)["compiled"] == 3 and "sent 16" in order
+
+    def broken():   # a real failure of a step is not taken for a stop
+        raise KeyError("x")
+    with pytest.raises(KeyError):
+        Capture(Pool(), TARGET, prefix="tests.").run([broken])
 
 
 def test_failures_are_reported_not_raised(launched, caplog):
@@ -171,7 +203,7 @@ def test_failures_are_reported_not_raised(launched, caplog):
         raise RuntimeError("boom")
     pre = Precompiler(2, TARGET, pool)
     with caplog.at_level(logging.INFO, logger="tqattn.engine.precompile"):
-        assert pre.run(warmup) is None
+        assert pre.run([warmup]) is None
     assert pool.closed and "stopped (RuntimeError: boom)" in caplog.text
     assert _add_one[(1,)](torch.zeros(8), 3, BLOCK=4) == "compiled kernel"
 
@@ -184,7 +216,7 @@ def test_precompiler_run_summary(launched, caplog, monkeypatch):
         _add_one[(1,)](torch.zeros(8), 3, BLOCK=4)
         _add_one[(1,)](torch.zeros(8), 3, BLOCK=8)
     with caplog.at_level(logging.INFO, logger="tqattn.engine.precompile"):
-        s = Precompiler(2, TARGET, pool).run(warmup)
+        s = Precompiler(2, TARGET, pool).run([warmup])
     assert not launched and len(pool.builds) == 2 and pool.closed
     assert (s["launches"], s["compiled"], s["workers"]) == (2, 2, 2)
     assert "kernel precompile: 2 of 2 new kernel builds compiled by 2 worker processes" in caplog.text
@@ -279,6 +311,7 @@ def test_engine_startup_with_the_precompile(monkeypatch, caplog):
     assert list(times) == ["load", "compile", "kv_cache", "precompile", "warmup",
                            "cudagraph_capture", "total"]
     assert abs(sum(v for k, v in times.items() if k != "total") - times["total"]) < 0.05
-    assert len(runs) == 2 and runs[0] == runs[1] and pool.closed
+    # the capture runs the steps one at a time, the warm-up all of them
+    assert runs == [1] * runs[-1] + [runs[-1]] and pool.closed
     assert "kernel precompile: 0 of 0 new kernel builds" in caplog.text
     assert "warm-up: 0 Triton kernel builds loaded from the disk cache, 0 compiled" in caplog.text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,6 +169,9 @@ class LLMEngine:
         t0 = lap = time.perf_counter()
         precompiler = precompile.start(self.device, args.enforce_eager)  # its workers start now
         self.startup_times: dict[str, float] = {}
+        # Triton builds of the warm-up (loaded from the disk cache / compiled) and the
+        # precompile's summary (None: it failed), where they ran
+        self.startup_builds: dict[str, dict | None] = {}
 
         def done(part: str) -> None:
             nonlocal lap
@@ -204,11 +208,12 @@ class LLMEngine:
             steps = warmup_steps(args.max_num_seqs, args.max_num_batched_tokens,
                                  loaded.max_model_len, args.block_size, extra)
             if precompiler is not None:  # the builds compiled in parallel, into the disk cache
-                precompiler.run(lambda: run_warmup(runner, steps))
+                self.startup_builds["precompile"] = precompiler.run(
+                    [partial(run_warmup, runner, [step]) for step in steps])
                 done("precompile")
             before = compilation.mark()
             run_warmup(runner, steps)
-            builds = compilation.triton_builds(before)
+            builds = self.startup_builds["warmup"] = compilation.triton_builds(before)
             logger.info("warm-up: %d Triton kernel builds loaded from the disk cache, %d compiled",
                         builds["loaded"], builds["compiled"])
         done("warmup")

@@ -10,8 +10,9 @@ seconds of one core). With the precompile, start-up:
    launch is bound as triton would bind it, and a build that is neither seen before nor in
    Triton's disk cache goes to the pool instead of compiling here; the kernel does not run
    (nothing reads a dummy step's outputs on the host). An explicit ``warmup=True`` call — which
-   returns the compiled kernel (the tensor-core decode reads its register count) — waits for its
-   build and then goes through triton as usual, so it returns what it always does;
+   returns the compiled kernel (the tensor-core decode reads its register count) — gets its
+   build from the pool and then goes through triton as usual, so it returns what it always does
+   (its step stops and runs again at the end, so that the wait overlaps the other builds);
 3. waits for the pool; the real warm-up then loads every build from the disk cache.
 
 It only moves compilation earlier and elsewhere: the same builds are compiled, the same steps
@@ -99,15 +100,15 @@ class Precompiler:
         self.pool = pool
         self.target = target
 
-    def run(self, warmup: Callable[[], None]) -> dict | None:
-        """Run ``warmup`` with tqattn's launches deferred, wait for the pool's builds, close the
-        pool; log a summary and return it. Never raises (a failure is logged; then None)."""
+    def run(self, steps: list[Callable[[], None]]) -> dict | None:
+        """Run the warm-up ``steps`` with tqattn's launches deferred (:meth:`Capture.run`), wait
+        for the pool's builds, close the pool; log a summary and return it. Never raises (a
+        failure is logged; then None)."""
         t0 = time.perf_counter()
         capture = None
         try:
             capture = Capture(self.pool, self._target())
-            with capture.deferring():
-                warmup()
+            capture.run(steps)
             captured = time.perf_counter() - t0
             summary = capture.wait(WAIT_S)
             summary.update(capture_s=captured, total_s=time.perf_counter() - t0,
@@ -134,6 +135,10 @@ class Precompiler:
         return self.target
 
 
+class BuildPending(Exception):
+    """Stops a captured step at a ``warmup=True`` call whose build is still compiling."""
+
+
 class Capture:
     """The builds of the launches made inside :meth:`deferring`, handed to ``pool``."""
 
@@ -149,6 +154,7 @@ class Capture:
         self.names: dict[str, str] = {}               # cache key -> kernel name
         self.cached = 0      # builds already in Triton's disk cache
         self.unbuilt: list[str] = []  # launches that could not be described or sent: why
+        self.stopped = False  # the current step met a pending build (:meth:`run`)
 
     def add(self, fn, args: tuple, kwargs: dict) -> Future | None:
         """Hand the launch's build to the pool unless known; its future (None: nothing to wait)."""
@@ -173,10 +179,31 @@ class Capture:
         self.seen[seen_key] = fut
         return fut
 
+    def run(self, steps: list[Callable[[], None]]) -> None:
+        """Run the steps with launches deferred. A ``warmup=True`` call whose build is still
+        compiling stops its step (the step runs again at the end, when the build is likely
+        done), so one step's wait does not hold up the builds of the steps after it."""
+        retry = []
+        with self.deferring(stop_on_pending=True):
+            for step in steps:
+                self.stopped = False
+                try:
+                    step()
+                except Exception:
+                    if not self.stopped:  # not a stop of ours (however the model re-raised it)
+                        raise
+                if self.stopped:
+                    retry.append(step)
+        with self.deferring(stop_on_pending=False):
+            for step in retry:
+                step()
+
     @contextlib.contextmanager
-    def deferring(self):
+    def deferring(self, stop_on_pending: bool = False):
         """Inside, on this thread, launches of kernels under ``prefix`` do not run: their builds
-        go to the pool; ``warmup=True`` calls wait for theirs, then run as usual."""
+        go to the pool. A ``warmup=True`` call waits for its build, then runs as usual (it returns
+        the compiled kernel); with ``stop_on_pending`` it raises :class:`BuildPending` instead
+        while the build is not done."""
         from triton.runtime.jit import JITFunction
 
         orig = JITFunction.run
@@ -188,7 +215,10 @@ class Capture:
             fut = self.add(fn, args, kwargs)
             if not warmup:
                 return None
-            if fut is not None:
+            if fut is not None and not fut.done():
+                if stop_on_pending:
+                    self.stopped = True
+                    raise BuildPending(fn.__name__)
                 wait_futures([fut], timeout=WAIT_S)   # its failure: triton compiles it below
             return orig(fn, *args, grid=grid, warmup=warmup, **kwargs)
 

@@ -57,7 +57,7 @@ class CompilePool:
             raise ValueError(f"a compile pool needs at least one worker, got {workers}")
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
         env.pop("TRITON_INTERPRET", None)
-        path = [p or os.getcwd() for p in sys.path]
+        path = [p or os.getcwd() for p in sys.path if isinstance(p, str)]
         code = (f"import sys; sys.path[:0] = {path!r}; "
                 f"from tqattn.engine.compile_pool import worker_main; worker_main({list(preload)!r})")
         self._procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
@@ -69,7 +69,7 @@ class CompilePool:
         self._lock = threading.Lock()
         self._live = workers
         self._threads = ThreadPoolExecutor(workers, thread_name_prefix="tqattn-compile")
-        self._finalizer = weakref.finalize(self, _shutdown, self._threads, self._procs)
+        self._finalizer = weakref.finalize(self, _shutdown, self._threads, self._procs, self._idle)
 
     @property
     def workers(self) -> int:
@@ -82,7 +82,7 @@ class CompilePool:
 
     def _compile(self, payload: bytes):
         proc = self._idle.get()
-        if proc is None:  # every worker has exited
+        if proc is None:  # every worker has exited, or the pool is closed
             self._idle.put(None)
             raise WorkerError("no compile worker is left")
         try:
@@ -112,8 +112,9 @@ class CompilePool:
         self._finalizer()
 
 
-def _shutdown(threads: ThreadPoolExecutor, procs: list) -> None:
+def _shutdown(threads: ThreadPoolExecutor, procs: list, idle: queue.Queue) -> None:
     threads.shutdown(wait=False, cancel_futures=True)
+    idle.put(None)  # a call still waiting for a worker fails instead of waiting forever
     for p in procs:  # an idle worker exits at the end of its input
         try:
             p.stdin.close()

@@ -44,7 +44,8 @@ PRELOAD = ("tqattn.kernels",)
 
 
 def default_workers() -> int:
-    """CPU cores this process may use, less one for the parent (which binds the launches)."""
+    """CPU cores this process may use, less one for the parent (which runs the deferred steps).
+    The workers compile after the model's compile, so Inductor's workers are idle by then."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -237,7 +238,7 @@ class Capture:
         compiled, failed, compile_s = 0, [], 0.0
         for cache_key, fut in self.futures.items():
             name = self.names.get(cache_key, "?")
-            if not fut.done():
+            if not fut.done() or fut.cancelled():
                 failed.append(f"{name}: not done in time")
                 continue
             err = fut.exception()
@@ -259,7 +260,7 @@ def format_summary(s: dict) -> str:
     """One line: what was compiled where and what it took."""
     text = (f"{s['compiled']} of {s['submitted']} new kernel builds compiled by {s['workers']} "
             f"worker processes in {s['total_s']:.1f} s ({s['compile_s']:.1f} s of compiling; "
-            f"warm-up launches bound in {s['capture_s']:.1f} s: {s['launches']} launches, "
+            f"warm-up steps run deferred in {s['capture_s']:.1f} s: {s['launches']} launches, "
             f"{s['cached']} builds already in Triton's disk cache)")
     for what, items in (("failed", s["failed"]), ("not precompiled", s["unbuilt"])):
         if items:

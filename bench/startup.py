@@ -57,8 +57,8 @@ def start_once(kwargs: dict, cache_dir: str, precompile: str = "on") -> dict:
 def describe_builds(builds: dict) -> str:
     """The warm-up's Triton builds (loaded from the disk cache / compiled) and the precompile's."""
     w, p = builds.get("warmup"), builds.get("precompile")
-    text = (f"warm-up builds: {w['loaded']} from the disk cache, {w['compiled']} compiled"
-            if w else "no warm-up")
+    text = (f"warm-up: {w['triton_loaded']} Triton builds from the disk cache, "
+            f"{w['triton_compiled']} compiled, {w['dynamo']} Dynamo compiles" if w else "no warm-up")
     if "precompile" in builds:
         text += ("; precompile failed (see the log)" if p is None else
                  f"; precompile: {p['compiled']} of {p['submitted']} new builds by {p['workers']} "

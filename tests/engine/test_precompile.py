@@ -18,7 +18,6 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -28,17 +27,12 @@ from tqattn.engine.compile_pool import CompileError, CompilePool, WorkerError  #
 from tqattn.engine.kernel_build import KernelBuild  # noqa: E402
 from tqattn.engine.precompile import Capture, Precompiler, format_summary  # noqa: E402
 
+from .tiny_kernel import add_one as _add_one  # noqa: E402
+
 TARGET = GPUTarget("cuda", 90, 32)
 CHILD = os.path.join(os.path.dirname(__file__), "precompile_child.py")
 
 
-def _add_one(x_ptr, n, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
-
-
-# a JIT function whatever TRITON_INTERPRET says (other test modules set it while importing)
-_add_one = JITFunction(_add_one)
 
 
 class Pool:
@@ -92,7 +86,7 @@ def test_launches_are_deferred_and_builds_deduplicated(launched):
         t.join()
     with other.deferring():
         assert _add_one[(1,)](x, 9, BLOCK=4) == "compiled kernel"
-    assert launched == [("_add_one", 7, False), ("_add_one", 9, False)]
+    assert launched == [("add_one", 7, False), ("add_one", 9, False)]
     assert JITFunction.run is stand_in
     assert len(pool.builds) == 3 and capture.launches == 4
     assert [b.constexprs for b in pool.builds] == [{(2,): 4}, {(2,): 4}, {(2,): 8}]
@@ -104,21 +98,21 @@ def test_launches_are_deferred_and_builds_deduplicated(launched):
         assert pickle.loads(pickle.dumps(b)).cache_key() == b.cache_key()
 
 
-def test_a_build_in_the_disk_cache_is_not_sent(launched, monkeypatch):
-    hits = []
-    monkeypatch.setattr(triton.knobs.compilation, "listener",
-                        lambda **kw: hits.append(kw["cache_hit"]))
-    pool = Pool()
-    capture = Capture(pool, TARGET, prefix="tests.")
-    with capture.deferring():
-        _add_one[(1,)](torch.zeros(8), 3, BLOCK=4)
-    pool.builds[0].compile()    # triton.compile for sm_90 here: what a worker does
+def test_a_build_in_the_disk_cache_is_not_sent(launched):
+    """A real worker compiles the build for sm_90 into the cache; then it is found there."""
+    pool = CompilePool(1)
+    try:
+        capture = Capture(pool, TARGET, prefix="tests.")
+        with capture.deferring():
+            _add_one[(1,)](torch.zeros(8), 3, BLOCK=4)
+        s = capture.wait(120)
+    finally:
+        pool.close()
+    assert (s["submitted"], s["compiled"], s["failed"]) == (1, 1, [])   # the worker's key agreed
     again = Capture(Pool(), TARGET, prefix="tests.")
     with again.deferring():
         _add_one[(1,)](torch.zeros(8), 5, BLOCK=4)
     assert again.summary()["cached"] == 1 and not again.pool.builds
-    pool.builds[0].compile()    # triton's own lookup agrees
-    assert hits == [False, True]
 
 
 class SlowPool(Pool):
@@ -146,7 +140,7 @@ def test_warmup_calls_wait_for_their_build_then_run(launched):
     with capture.deferring():
         # warmup=True returns the compiled kernel (decode_mma.programs_per_sm reads it)
         assert _add_one.warmup(torch.zeros(8), 3, BLOCK=4, grid=(1,)) == "compiled kernel"
-    assert order == ["sent 4", "compiled 4"] and launched == [("_add_one", 3, True)]
+    assert order == ["sent 4", "compiled 4"] and launched == [("add_one", 3, True)]
     failing = Capture(Pool(lambda b: 1 / 0), TARGET, prefix="tests.")
     with failing.deferring():   # the pool's failure: triton compiles it as it always does
         assert _add_one.warmup(torch.zeros(8), 3, BLOCK=4, grid=(1,)) == "compiled kernel"
@@ -170,7 +164,7 @@ def test_a_step_waiting_for_a_build_runs_again_at_the_end(launched):
     capture.run([first, second])
     assert order[:4] == ["first", "sent 4", "second", "sent 8"]
     assert order[4] == "first" and order.index("got the kernel") > order.index("compiled 4")
-    assert got == ["compiled kernel"] and launched == [("_add_one", 3, True)]
+    assert got == ["compiled kernel"] and launched == [("add_one", 3, True)]
     assert capture.wait(5)["compiled"] == 3 and "sent 16" in order
 
     def broken():   # a real failure of a step is not taken for a stop
@@ -326,4 +320,8 @@ def test_engine_startup_with_the_precompile(monkeypatch, caplog):
     # the capture runs the steps one at a time, the warm-up all of them
     assert runs == [1] * runs[-1] + [runs[-1]] and pool.closed
     assert "kernel precompile: 0 of 0 new kernel builds" in caplog.text
-    assert "warm-up: 0 Triton kernel builds loaded from the disk cache, 0 compiled" in caplog.text
+    assert ("warm-up: 0 Triton kernel builds loaded from the disk cache, 0 compiled; "
+            "0 Dynamo compiles") in caplog.text
+    assert engine.startup_builds["warmup"] == {"dynamo": 0, "triton_loaded": 0,
+                                               "triton_compiled": 0}
+    assert engine.startup_builds["precompile"]["launches"] == 0

@@ -179,11 +179,13 @@ def since(start: tuple[int, int]) -> dict:
             "dynamo_frames": _frame_names(dynamo), "triton_kernels": kernels}
 
 
-def triton_builds(start: tuple[int, int]) -> dict[str, int]:
-    """Triton/Gluon builds after ``start``: ``loaded`` from Triton's disk cache, ``compiled``."""
+def builds_since(start: tuple[int, int]) -> dict[str, int]:
+    """Counts after ``start``: Dynamo frame compiles, Triton/Gluon builds loaded from Triton's
+    disk cache and builds compiled."""
     with _lock:
         hits = [hit for _, _, hit in _triton[start[1]:]]
-    return {"loaded": sum(hits), "compiled": len(hits) - sum(hits)}
+        dynamo = len(_dynamo) - start[0]
+    return {"dynamo": dynamo, "triton_loaded": sum(hits), "triton_compiled": len(hits) - sum(hits)}
 
 
 def warn_new(start: tuple[int, int], seen: tuple[int, int]) -> tuple[int, int]:

@@ -169,8 +169,8 @@ class LLMEngine:
         t0 = lap = time.perf_counter()
         precompiler = precompile.start(self.device, args.enforce_eager)  # its workers start now
         self.startup_times: dict[str, float] = {}
-        # Triton builds of the warm-up (loaded from the disk cache / compiled) and the
-        # precompile's summary (None: it failed), where they ran
+        # what the warm-up compiled (compilation.builds_since) and the precompile's summary
+        # (None: it failed), where they ran
         self.startup_builds: dict[str, dict | None] = {}
 
         def done(part: str) -> None:
@@ -213,9 +213,10 @@ class LLMEngine:
                 done("precompile")
             before = compilation.mark()
             run_warmup(runner, steps)
-            builds = self.startup_builds["warmup"] = compilation.triton_builds(before)
-            logger.info("warm-up: %d Triton kernel builds loaded from the disk cache, %d compiled",
-                        builds["loaded"], builds["compiled"])
+            builds = self.startup_builds["warmup"] = compilation.builds_since(before)
+            logger.info("warm-up: %d Triton kernel builds loaded from the disk cache, %d compiled; "
+                        "%d Dynamo compiles", builds["triton_loaded"], builds["triton_compiled"],
+                        builds["dynamo"])
         done("warmup")
         if precompiler is not None:
             precompiler.close()

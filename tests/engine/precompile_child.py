@@ -112,7 +112,7 @@ def main(case: str) -> None:
             print(json.dumps(round_trip(launches)), flush=True)
             return
         t = time.perf_counter()
-        pre = Precompiler(2, TARGET)
+        pre = Precompiler(1, TARGET)
         summary = pre.run(launches)
         precompile_s = time.perf_counter() - t
         # again: every build is now in the disk cache, nothing goes to a pool

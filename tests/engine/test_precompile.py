@@ -278,7 +278,7 @@ def _child(*cases, tmp_path) -> list[dict]:
 
 @pytest.mark.slow
 def test_product_launches_precompile_into_the_disk_cache(tmp_path):
-    """Real store launches through a real pool (2 processes), for sm_90; then the warm-up's
+    """Real store launches through a real pool (a worker process), for sm_90; then the warm-up's
     builds of a Qwen3-4B-shaped layer (store, tensor-core and portable decode, merge, dequant)
     all pickle with their cache keys intact."""
     store, warmup = _child("store", "warmup", tmp_path=tmp_path)

@@ -344,6 +344,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="offline,server,server-drain,client",
                     help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--repeat", type=int, default=1, help="run each mode this many times")
+    ap.add_argument("--label", default="", help="recorded with the results (e.g. which tree ran)")
     ap.add_argument("--json", help="append the results to this JSON file")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--canned", action="store_true", help=argparse.SUPPRESS)
@@ -367,7 +368,8 @@ def main(argv=None) -> int:
             "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": platform.processor() or platform.machine(),
             "num_cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "config": {k: v for k, v in vars(args).items() if k not in ("serve", "canned", "json")},
+            "label": args.label, "switch_interval": sys.getswitchinterval(),
+            "config": {k: v for k, v in vars(args).items() if k not in ("serve", "canned", "json", "label")},
             "results": results})
         path.write_text(json.dumps(doc, indent=1))
     return 0

@@ -261,15 +261,13 @@ def server_engine_args(server_args: list[str], kv_cache_dtype: str | None) -> di
 
 def run_bench(args, command: str) -> int:
     """`tqattn bench serve`: for each kv-cache dtype a server (or the one at --url), a warm-up,
-    the measured load, the server's engine counters around it; JSON, markdown and each server's
-    log in --out-dir."""
-    from tqattn.attention.env_report import collect_env
-
-    from .report import provenance
-
+    the measured load, the server's engine counters around it. JSON and markdown in --out-dir
+    (rewritten after each dtype, so a run cut short keeps what it measured), and each server's
+    log."""
     server_args = shlex.split(args.server_args)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    env = _collect_env()
     runs = []
     for dtype in ([None] if args.url else args.kv_cache_dtypes):
         engine_args = None if args.url else server_engine_args(server_args, dtype)  # bad flags fail here
@@ -290,10 +288,28 @@ def run_bench(args, command: str) -> int:
                 (out / f"{args.tag}_{dtype}.log").write_text(server.log)
         runs.append({"kv_cache_dtype": dtype, "url": url, "engine_args": engine_args,
                      "server_log": server.log if server else "", "metrics": m})
+        _write(out, args.tag, {"command": command, "server_args": server_args, "runs": runs, "env": env})
         print(format_table(runs[-1:]), flush=True)
-    result = {"command": command, "server_args": server_args, "runs": runs, "env": collect_env()}
-    (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
-    md = [f"# {args.tag}", "", *provenance(result["env"], command), "", "```", format_table(runs), "```", ""]
+    print(format_table(runs))
+    print(format_server_table(runs))
+    print(f"wrote {out / args.tag}.json, .md" + ("" if args.url else ", the servers' logs"))
+    return 0
+
+
+def _collect_env() -> dict:
+    """collect_env() in a child process: here it would open a CUDA context, which the servers'
+    KV-cache sizing would then see as memory in use."""
+    code = "import json; from tqattn.attention.env_report import collect_env; print(json.dumps(collect_env()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _write(out: Path, tag: str, result: dict) -> None:
+    from .report import provenance
+
+    runs = result["runs"]
+    (out / f"{tag}.json").write_text(json.dumps(result, indent=1))
+    md = [f"# {tag}", "", *provenance(result["env"], result["command"]), "", "```", format_table(runs), "```", ""]
     server_table = format_server_table(runs)
     if server_table:
         md += ["What each server's engine did in the measured run (its /metrics):", "", "```", server_table,
@@ -302,9 +318,4 @@ def run_bench(args, command: str) -> int:
         md += ["Engine arguments of each server (`tqattn serve`'s, from --server-args):", ""]
         md += [f"- `{r['kv_cache_dtype']}`: `{r['engine_args']}`" for r in runs if r["engine_args"]]
         md.append("")
-    (out / f"{args.tag}.md").write_text("\n".join(md))
-    print(format_table(runs))
-    if server_table:
-        print(server_table)
-    print(f"wrote {out / args.tag}.json, .md" + ("" if args.url else ", the servers' logs"))
-    return 0
+    (out / f"{tag}.md").write_text("\n".join(md))

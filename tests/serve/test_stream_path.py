@@ -145,7 +145,7 @@ def test_the_engine_thread_hands_the_loop_one_batch_per_step(tiny_model_dir):
 
 
 def test_bench_serve_client_and_server_counters(tiny_server):
-    from tqattn.benchmarks.serve import run_load, scrape, server_stats
+    from tqattn.benchmarks.serve import format_server_table, run_load, scrape, server_stats
 
     before = scrape(tiny_server.url)
     m = asyncio.run(run_load(tiny_server.url, None, 8, 24, 6))
@@ -154,6 +154,9 @@ def test_bench_serve_client_and_server_counters(tiny_server):
     assert m["ttft_s"]["p50"] > 0 and m["tpot_s"]["p50"] > 0
     assert st["generation_tokens"] == 48 and 6 <= st["steps"] <= 60 and st["mean_step_ms"] > 0
     assert st["compilations_after_startup"] == 0 and st["cudagraph_steps"] == 0  # CPU: eager, no graphs
+    m["server"], m["gpu"] = st, {"before": {"gpus": [{"processes": [{"pid": 1}, {"pid": 2}]}]}, "after": None}
+    table = format_server_table([{"kv_cache_dtype": "auto", "metrics": m}]).splitlines()
+    assert table[2].split()[:2] == ["auto", str(st["steps"])] and table[2].endswith(" 2/n/a")
 
 
 def test_dechunk_at_every_split():

@@ -204,6 +204,33 @@ def scrape(url: str) -> dict:
     return out
 
 
+def gpu_snapshot() -> dict | None:
+    """The GPUs as NVML sees them (no CUDA context here): each one's compute processes (another
+    one shares the GPU with the server under test), SM clock and throttle reasons. None without
+    NVML (nvidia-ml-py) or a GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # not installed, or no driver
+        return None
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            gpus.append({
+                "processes": [{"pid": p.pid, "memory_mib": (p.usedGpuMemory or 0) >> 20}
+                              for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)],
+                "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "utilization_pct": pynvml.nvmlDeviceGetUtilizationRates(h).gpu,
+                "throttle_reasons": pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h)})
+        return {"gpus": gpus}
+    except Exception as e:  # an NVML call this driver lacks
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def server_stats(before: dict, after: dict) -> dict:
     """What the engine did between two scrapes: steps, mean step ms, steps replaying a CUDA
     graph, compilations after start-up (a total, not a difference), preemptions."""
@@ -244,9 +271,18 @@ def format_server_table(runs: list[dict]) -> str:
         rows.append([r["kv_cache_dtype"] or "(running server)", str(st["steps"]),
                      "n/a" if mean is None else f"{mean:.2f}",
                      f"{st['cudagraph_steps']} ({st['cudagraph_steps'] / max(st['steps'], 1):.0%})",
-                     str(st["compilations_after_startup"]), str(st["preemptions"])])
+                     str(st["compilations_after_startup"]), str(st["preemptions"]),
+                     "/".join(_gpu_processes(r["metrics"].get("gpu", {}).get(k)) for k in ("before", "after"))])
     return table(["kv-cache dtype", "engine steps", "mean step ms", "CUDA-graph steps",
-                  "compilations after start-up", "preemptions"], rows) if rows else ""
+                  "compilations after start-up", "preemptions", "GPU processes before/after"],
+                 rows) if rows else ""
+
+
+def _gpu_processes(snapshot: dict | None) -> str:
+    """Compute processes on the busiest GPU (the server's own included), "n/a" without NVML."""
+    if not snapshot or "gpus" not in snapshot:
+        return "n/a"
+    return str(max((len(g["processes"]) for g in snapshot["gpus"]), default=0))
 
 
 def server_engine_args(server_args: list[str], kv_cache_dtype: str | None) -> dict:
@@ -276,10 +312,11 @@ def run_bench(args, command: str) -> int:
         try:
             if args.warmup_prompts:
                 asyncio.run(run_load(url, args.served_model, args.warmup_prompts, args.input_len, 4, seed=-1))
-            before = scrape(url)
+            before, gpu_before = scrape(url), gpu_snapshot()
             m = asyncio.run(run_load(url, args.served_model, args.num_prompts, args.input_len, args.output_len,
                                      args.request_rate, args.max_concurrency, args.seed))
             m["server"] = server_stats(before, scrape(url))
+            m["gpu"] = {"before": gpu_before, "after": gpu_snapshot()}  # e.g. another process on it
             if not m["completed"]:
                 raise ValueError(f"no request completed; the server answered: {m['failed'][0]}")
         finally:

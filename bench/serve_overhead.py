@@ -17,10 +17,15 @@ CUDA event wait does). Three measurements, each over ``--num-prompts`` requests 
 
     PYTHONPATH=. python bench/serve_overhead.py [--num-prompts 512 --input-len 1024
         --output-len 256 --max-num-seqs 256 --step-ms 0 --tokenizer none|smollm2]
-        [--modes offline,server,server-drain,client] [--json out.json]
+        [--modes offline,server,server-drain,client] [--repeat N] [--label TREE] [--json out.json]
+    python bench/serve_overhead.py --report out.json   # the markdown table of a --json file
 
-The H200 run's dummy Qwen3-4B has no tokenizer (``--tokenizer none``, the default): its stream
-chunks carry token ids' progress with empty text. ``--tokenizer smollm2`` detokenizes real text.
+Server runs also report the server process's CPU time per output token, in all and in its
+engine and HTTP threads (Linux /proc), and its garbage-collection time: on a shared machine
+these move less with the load than tokens per second. The H200 run's dummy Qwen3-4B has no
+tokenizer (``--tokenizer none``, the default): its chunks carry token progress with empty text;
+``--tokenizer smollm2`` detokenizes real text. Environment of the server subprocess, for
+experiments: SWITCH_INTERVAL (sys.setswitchinterval), GC_FREEZE=1 (gc.freeze() after start-up).
 """
 
 from __future__ import annotations
@@ -127,7 +132,7 @@ def run_offline(args) -> dict:
 
     engine = make_engine(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), time.thread_time()
     for i, p in enumerate(prompts(args)):
         engine.add_request(str(i), {"prompt_token_ids": p}, params)
     steps, out_tokens = 0, 0
@@ -135,9 +140,9 @@ def run_offline(args) -> dict:
         for out in engine.step():
             out_tokens += len(out.outputs[0].token_ids)
         steps += 1
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.thread_time() - cpu
     return {"mode": "offline", "output_tokens": out_tokens, "duration_s": dt, "output_tok_s": out_tokens / dt,
-            "steps": steps, "ms_per_step": dt / steps * 1e3}
+            "steps": steps, "ms_per_step": dt / steps * 1e3, "cpu_us_per_token_engine": cpu / out_tokens * 1e6}
 
 
 # ---- (b) the server --------------------------------------------------------------------------------
@@ -157,8 +162,9 @@ def _cpu_seconds(tids: dict[str, int]) -> dict[str, float]:
 
 def serve_main(args) -> int:
     """The server subprocess: the stand-in engine behind tqattn's Server; prints its URL. SIGUSR1
-    marks the start of the measured load; SIGTERM stops it and prints the engine thread's steps
-    and the CPU seconds of the process and of its engine and HTTP threads since the mark."""
+    marks the start of the measured load; SIGTERM stops it and prints the engine thread's steps,
+    the CPU seconds of the process and of its engine and HTTP threads, and the seconds spent in
+    the garbage collector since the mark (GC_FREEZE=1: gc.freeze() after start-up)."""
     import threading
 
     from tqattn.serve.server import Server
@@ -185,16 +191,32 @@ def serve_main(args) -> int:
     tids = {t.name.removeprefix("tqattn-"): t.native_id for t in threading.enumerate()
             if t.name in ("tqattn-engine", "tqattn-http")}
 
+    import gc
+    gc_time = {"s": 0.0, "n": [0, 0, 0], "t0": 0.0}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_time["t0"] = time.perf_counter()
+        else:
+            gc_time["s"] += time.perf_counter() - gc_time["t0"]
+            gc_time["n"][info["generation"]] += 1
+    gc.callbacks.append(on_gc)
+    if os.environ.get("GC_FREEZE"):
+        gc.collect()
+        gc.freeze()
+
     def on_mark(*_):
         mark.update(_cpu_seconds(tids))
         steps.update(n=0, s=0.0)
+        gc_time.update(s=0.0, n=[0, 0, 0])
     signal.signal(signal.SIGUSR1, on_mark)
     print(f"URL {server.url}", flush=True)
     while not stop:
         time.sleep(0.05)
     cpu = {k: v - mark.get(k, 0.0) for k, v in _cpu_seconds(tids).items()}
     server.stop()
-    print("STEPS " + json.dumps({**steps, "cpu_s": cpu}), flush=True)
+    print("STEPS " + json.dumps({**steps, "cpu_s": cpu, "gc_s": gc_time["s"], "gc_collections": gc_time["n"]}),
+          flush=True)
     return 0
 
 
@@ -269,7 +291,8 @@ def run_server(args, drain: bool = False) -> dict:
     cpu = steps.get("cpu_s", {})
     return {"mode": "server-drain" if drain else "server", **_summary(m), "engine_steps": steps.get("n"),
             "engine_ms_per_step": steps["s"] / steps["n"] * 1e3 if steps.get("n") else None,
-            **{f"cpu_us_per_token_{k}": v / tokens * 1e6 for k, v in cpu.items()}}
+            **{f"cpu_us_per_token_{k}": v / tokens * 1e6 for k, v in cpu.items()},
+            "gc_us_per_token": steps["gc_s"] / tokens * 1e6 if "gc_s" in steps else None}
 
 
 def _summary(m: dict) -> dict:
@@ -321,13 +344,35 @@ async def _canned_server(output_len: int) -> None:
 def run_client(args) -> dict:
     proc, url = _start([sys.executable, __file__, "--canned", *_child_args(args)])
     try:
+        cpu = time.process_time()
         m = asyncio.run(run_load(url, None, args.num_prompts, args.input_len, args.output_len))
+        cpu = time.process_time() - cpu
     finally:
         _stop(proc)
-    return {"mode": "client", **_summary(m)}
+    return {"mode": "client", **_summary(m), "cpu_us_per_token_client": cpu / m["output_tokens"] * 1e6}
 
 
 # ---- main --------------------------------------------------------------------------------------------
+
+def report(path: str) -> str:
+    """A markdown table of every result in a --json file."""
+    rows = ["| tree | step ms | tokenizer | mode | output tok/s | chunks | engine ms/step | CPU µs/token: "
+            "process / engine thread / HTTP thread | load |", "|---|---|---|---|---|---|---|---|---|"]
+    for run in json.loads(Path(path).read_text())["runs"]:
+        c = run["config"]
+        for r in run["results"]:
+            if r["mode"].startswith("server"):
+                cpu = " / ".join(f"{r[k]:.1f}" for k in ("cpu_us_per_token_process", "cpu_us_per_token_engine",
+                                                          "cpu_us_per_token_http"))
+            else:
+                k = {"client": "cpu_us_per_token_client", "offline": "cpu_us_per_token_engine"}[r["mode"]]
+                cpu = f"{r['mode']} {r[k]:.1f}" if k in r else "—"
+            ms = r.get("engine_ms_per_step", r.get("ms_per_step"))
+            rows.append(f"| {run['label']} | {c['step_ms']:g} | {c['tokenizer']} | {r['mode']} | "
+                        f"{r['output_tok_s']:,.0f} | {r.get('events', '—')} | "
+                        f"{'—' if ms is None else f'{ms:.2f}'} | {cpu} | {r['load_before']:.1f} |")
+    return "\n".join(rows)
+
 
 MODES = {"offline": run_offline, "server": run_server,
          "server-drain": lambda a: run_server(a, drain=True), "client": run_client}
@@ -346,9 +391,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="run each mode this many times")
     ap.add_argument("--label", default="", help="recorded with the results (e.g. which tree ran)")
     ap.add_argument("--json", help="append the results to this JSON file")
+    ap.add_argument("--report", metavar="JSON", help="print a markdown table of a --json file and exit")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--canned", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
     if args.serve:
         return serve_main(args)
     if args.canned:

@@ -345,13 +345,22 @@ class LLMEngine:
     def request_progress(self, request_id: Hashable) -> tuple[list[int], str] | None:
         """A running request's output so far: (token ids, decoded text), or None if it is not
         running. With async scheduling the token of the step in flight is not included."""
+        ids = self.request_token_ids(request_id)
+        if ids is None:
+            return None
+        return ids, self._decode_ids(ids, self.requests[request_id].params)
+
+    def request_token_ids(self, request_id: Hashable, start: int = 0) -> list[int] | None:
+        """A running request's output token ids from index ``start`` on (as request_progress's),
+        or None if it is not running; costs only the new ids."""
         req = self.requests.get(request_id)
         if req is None:
             return None
-        ids = req.seq.output_token_ids
+        seq = req.seq
+        ids = seq.token_ids[seq.num_prompt_tokens + start:]
         if ids and ids[-1] == PLACEHOLDER:
-            ids = ids[:-1]
-        return ids, self._decode_ids(ids, req.params)
+            ids.pop()
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None

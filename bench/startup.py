@@ -10,7 +10,8 @@ run, so the parts (load, compile, warm-up, graph capture) are the whole start-up
 
 Issue 24's bound for Qwen3-4B: <= 120 s with empty caches, <= 45 s with warm ones. Each run also
 says how the warm-up got its Triton builds (from the disk cache / compiled) and what the kernel
-precompile did (tqattn/engine/precompile.py; TQATTN_PRECOMPILE=0 in the environment turns it off).
+precompile did (tqattn/engine/precompile.py, opt-in: ``--precompile on`` sets TQATTN_PRECOMPILE=1
+in the child's environment, ``off`` sets 0).
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ print("STARTUP " + json.dumps({"startup_times": e.startup_times, "wall_s": time.
 
 def start_once(kwargs: dict, cache_dir: str, precompile: str = "on") -> dict:
     env = dict(os.environ, TQATTN_CACHE_DIR=cache_dir)
-    if precompile == "off":
-        env["TQATTN_PRECOMPILE"] = "0"
+    env["TQATTN_PRECOMPILE"] = "1" if precompile == "on" else "0"
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # follow TQATTN_CACHE_DIR
         env.pop(var, None)
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(kwargs)], env=env,

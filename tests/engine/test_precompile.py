@@ -232,9 +232,11 @@ def test_off_on_cpu_with_enforce_eager_and_when_asked(monkeypatch, caplog):
     cuda = torch.device("cuda")  # a device object only: nothing starts in these cases
     assert precompile.start(torch.device("cpu"), False) is None
     assert precompile.start(cuda, True) is None
+    monkeypatch.delenv(precompile.ENV, raising=False)   # opt-in: off unless asked for
+    assert precompile.start(cuda, False) is None
     monkeypatch.setenv(precompile.ENV, "0")
     assert precompile.start(cuda, False) is None
-    monkeypatch.delenv(precompile.ENV)
+    monkeypatch.setenv(precompile.ENV, "1")
     with caplog.at_level(logging.INFO, logger="tqattn.engine.precompile"):
         for workers in ("1", "many"):
             monkeypatch.setenv(precompile.WORKERS_ENV, workers)

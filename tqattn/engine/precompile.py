@@ -17,9 +17,10 @@ seconds of one core). With the precompile, start-up:
 
 It only moves compilation earlier and elsewhere: the same builds are compiled, the same steps
 run afterwards. A build the pool did not deliver is compiled by the warm-up as before, and any
-failure logs one line and leaves the warm-up as it was. ``TQATTN_PRECOMPILE=0`` turns it off,
-``=1`` on even for a triton it was not tested with; ``TQATTN_PRECOMPILE_WORKERS`` sets the pool
-size (default: CPU cores - 1, at most 16). Off on CPU and with ``enforce_eager``.
+failure logs one line and leaves the warm-up as it was. Opt-in until a GPU run has measured
+it: ``TQATTN_PRECOMPILE=1`` turns it on (for the triton versions it was tested with), ``=force``
+on with any triton; ``TQATTN_PRECOMPILE_WORKERS`` sets the pool size (default: CPU cores - 1,
+at most 16). Off on CPU and with ``enforce_eager``.
 """
 
 from __future__ import annotations
@@ -55,11 +56,11 @@ def default_workers() -> int:
 
 def start(device, enforce_eager: bool) -> Precompiler | None:
     """A started precompiler, or None where it is off (logged, unless on CPU, enforce_eager or
-    turned off)."""
+    not asked for)."""
     setting = os.environ.get(ENV, "")
-    if device.type != "cuda" or enforce_eager or setting == "0":
+    if device.type != "cuda" or enforce_eager or setting not in ("1", "force"):
         return None
-    why = _unavailable(force=setting == "1")
+    why = _unavailable(force=setting == "force")
     if why is None:
         try:
             workers = int(os.environ.get(WORKERS_ENV) or default_workers())
@@ -86,7 +87,7 @@ def _unavailable(force: bool) -> str | None:
     why = available()
     if why is None and not force and not triton.__version__.startswith(TESTED_TRITON):
         why = (f"triton {triton.__version__} is not a version it was tested with "
-               f"({', '.join(v + 'x' for v in TESTED_TRITON)}; {ENV}=1 forces it)")
+               f"({', '.join(v + 'x' for v in TESTED_TRITON)}; {ENV}=force forces it)")
     return why
 
 

@@ -144,8 +144,11 @@ def environment() -> dict:
                              timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001 - informational only
         smi = ""
+    from tqattn.attention.env_report import collect_env
+    versions = {k: v for k, v in collect_env().items()
+                if k in ("transformers", "tokenspeed_fa3", "flash_attn_4", "fa_versions", "tqattn")}
     return {"device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
             "nvidia_smi": smi, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "triton": triton.__version__, "python": platform.python_version(),
+            "triton": triton.__version__, "python": platform.python_version(), **versions,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python3"] + sys.argv)}

@@ -104,6 +104,28 @@ def test_device_idle_fraction_from_the_step_events():
     assert report.step_summary(recs)["decode_device_idle_fraction"] == pytest.approx(2.0 / 28.0)
 
 
+def _dev(kind, tokens, wall, device, idle, bucket=None, seqs=1):
+    return StepRecord(kind=kind, num_tokens=tokens, num_seqs=seqs, num_decodes=seqs if kind == "decode" else 0,
+                      graph_bucket=bucket, wall_ms=wall, host_ms=1.0, device_ms=device, device_idle_ms=idle)
+
+
+def test_step_check_reads_the_device_timeline_on_cuda():
+    # a decode step whose tokens reach the host late (the next step's long launch) but that the
+    # device ran at its usual speed passes; a step behind a device stall (idle gap) fails
+    decodes = [_dev("decode", 6, 7.8, 7.8, 0.0, bucket=8, seqs=6) for _ in range(8)]
+    late = _dev("decode", 6, 40.0, 7.8, 0.01, bucket=8, seqs=6)
+    mixed = [_dev("mixed", 8192, 150.0, 148.0, 0.0, seqs=6) for _ in range(3)]
+    c = report.step_check(decodes + [late] + mixed)
+    assert c["ok"] and c["timeline"] == "device" and c["host_wall_violations"] == 1
+    stalled = _dev("mixed", 8192, 3150.0, 150.0, 3000.0, seqs=6)  # a mid-run compile: device idle
+    c = report.step_check(decodes + mixed + [stalled])
+    assert not c["ok"] and [(b["index"], b["kind"]) for b in c["worst"]] == [(11, "mixed")]
+    assert c["worst"][0]["ms"] == pytest.approx(3150.0) and c["worst"][0]["median_ms"] == pytest.approx(148.0)
+    # the first recorded step has no gap before it: its device time alone
+    assert report.step_time_ms(_dev("decode", 1, 9.0, 5.0, None)) == 5.0
+    assert report.step_time_ms(_rec("decode", 1, 9.0)) == 9.0  # no device events: host wall
+
+
 def test_bench_flags_are_the_shared_engine_flags():
     import argparse
 

@@ -104,7 +104,8 @@ def test_window_0_equals_engine_on_smollm2():
     assert tok.decode(got[0]).startswith("The capital of France is Paris")
 
 
-def _teacher_forced_top1(model, ids, cache, prefix, chunk):
+def _teacher_forced(model, ids, cache, prefix, chunk):
+    """Log-probs of ids[prefix:] fed in chunks through the cache."""
     x = torch.tensor([ids])
     with torch.inference_mode():
         rows = [model(input_ids=x[:, :prefix], use_cache=True, **{CACHE_ARGUMENT: cache}).logits[0, -1:]]
@@ -112,7 +113,11 @@ def _teacher_forced_top1(model, ids, cache, prefix, chunk):
             out = model(input_ids=x[:, s:min(s + chunk, len(ids) - 1)], use_cache=True,
                         **{CACHE_ARGUMENT: cache})
             rows.append(out.logits[0])
-    return torch.cat(rows).argmax(-1)
+    return torch.cat(rows).float().log_softmax(-1)
+
+
+def _kl(p, q):
+    return (p.exp() * (p - q)).sum(-1).mean().item()
 
 
 def test_default_window_teacher_forced_top1_vs_engine():
@@ -125,16 +130,23 @@ def test_default_window_teacher_forced_top1_vs_engine():
     ids = lm.tokenizer(text)["input_ids"][:320]
     prefix, chunk = 16, 16
     llm = LLM("default", kv_cache_dtype="tq_k4v3")
-    engine = llm.score(ids[:-1], chunk_size=chunk, logprobs_start=prefix - 1).argmax(-1)
-    same = _teacher_forced_top1(lm.model, ids, TurboQuantCache(lm.model, "tq_k4v3", residual_length=0),
-                                prefix, chunk)
-    assert (same == engine).float().mean() >= 0.995   # window 0 is the engine's cache
+    engine = llm.score(ids[:-1], chunk_size=chunk, logprobs_start=prefix - 1).float()
+    same = _teacher_forced(lm.model, ids, TurboQuantCache(lm.model, "tq_k4v3", residual_length=0),
+                           prefix, chunk)
+    full = _teacher_forced(lm.model, ids, DynamicCache(config=lm.model.config), prefix, chunk)
+    # Window 0 is the engine's cache: the two differ only by float rounding (another order of
+    # the attention sums), which a flipped quantization code now and then amplifies down the
+    # text — far less than either differs from full precision (0.0012 vs 0.032 measured).
+    err = _kl(full, engine)
+    assert _kl(engine, same) <= 0.1 * err
+    assert abs(_kl(full, same) - err) <= 0.1 * err
+    assert (same.argmax(-1) == engine.argmax(-1)).float().mean() >= 0.95
     # The default window keeps the newest tokens raw, so it is closer to full precision than the
     # engine and agrees with the engine less than 99 % (0.92 measured on 640 tokens): the issue's
     # ">= 99 % with the default window" does not hold; what holds is that it is more accurate.
-    ours = _teacher_forced_top1(lm.model, ids, TurboQuantCache(lm.model, "tq_k4v3"), prefix, chunk)
-    full = _teacher_forced_top1(lm.model, ids, DynamicCache(config=lm.model.config), prefix, chunk)
-    assert (ours == full).float().mean() >= (engine == full).float().mean()
+    ours = _teacher_forced(lm.model, ids, TurboQuantCache(lm.model, "tq_k4v3"), prefix, chunk)
+    top1 = lambda a: (a.argmax(-1) == full.argmax(-1)).float().mean()  # noqa: E731
+    assert top1(ours) >= top1(engine) and _kl(full, ours) < err
 
 
 # ---- quantization off -------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Decode tokens/s = (new tokens − 1) / (time from the first token to the last), 
 generate --json` reports it. Each dtype gets a fresh LLM (prefix caching off) and a 4-token
 warm-up generate of the same prompt before the timed one. The 1-minute load average is recorded before and after every timed
 run: the machine may be shared, and the figure is only meaningful when it stays below the core
-count used by torch.
+count used by torch; ``cpu_s_per_wall_s`` (process CPU time over wall time of the timed generate)
+shows whether the run had its threads' cores.
 
     PYTHONPATH=. python3 bench/cpu_decode.py --kv-cache-dtypes auto,tq_k4v3,turboquant_k3v4_nc \\
         --prompt-len 2900 --max-tokens 128 --json bench/results/cpu_decode_smollm2.json
@@ -68,11 +69,11 @@ def run_one(kv: str, args) -> dict:
     llm.generate([{"prompt_token_ids": ids}], warm, use_tqdm=False)
     load_before = os.getloadavg()[0]
     prof = cProfile.Profile() if args.profile else None
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if prof:
         prof.enable()
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-    end = time.perf_counter()
+    end, cpu_end = time.perf_counter(), time.process_time()
     if prof:
         prof.disable()
     first = out.metrics.first_token_time
@@ -80,6 +81,7 @@ def run_one(kv: str, args) -> dict:
     res = {"kv_cache_dtype": kv, "prompt_tokens": len(ids), "new_tokens": n_new,
            "prefill_s": round(first - start, 3), "decode_s": round(end - first, 3),
            "decode_tok_s": round((n_new - 1) / (end - first), 3),
+           "cpu_s_per_wall_s": round((cpu_end - cpu_start) / (end - start), 2),
            "load_avg_1min_before": load_before, "load_avg_1min_after": os.getloadavg()[0]}
     if prof:
         s = io.StringIO()

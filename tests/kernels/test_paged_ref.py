@@ -204,3 +204,42 @@ def test_batched_decode_equals_one_sequence_at_a_time():
         torch.testing.assert_close(out[r0:r1], o, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lse[r0:r1], l, rtol=1e-5, atol=1e-6)
     assert bool((out[7:] == 0).all()) and bool(torch.isinf(lse[7:]).all())
+
+
+# The page reader must follow the layout functions, not a fixed plane order: under another
+# assignment of column_major() (the pending tq_k4v3 tensor-core patch makes every 3-bit word
+# field column-major) the store writes other bytes, and the reader must still agree with the
+# slot path, which reads through page_positions.
+SHIPPED_COLUMN_MAJOR = paged.column_major
+OTHER_LAYOUTS = {
+    "3-bit words column-major": lambda f: paged.field_words(f) == 3,
+    "every field column-major": lambda f: True,
+}
+
+
+@pytest.fixture
+def other_layout(request, monkeypatch):
+    monkeypatch.setattr(paged, "column_major", OTHER_LAYOUTS[request.param])
+    paged._page_positions.cache_clear()
+    yield
+    paged._page_positions.cache_clear()   # before monkeypatch restores the shipped layout
+
+
+@pytest.mark.parametrize("other_layout", list(OTHER_LAYOUTS), indirect=True)
+@pytest.mark.parametrize("name", ["tq_k4v3", "turboquant_3bit_nc", "tq_k3o4v3.5", "tq_k2.5v2.5"])
+def test_page_reader_follows_the_layout(name, other_layout):
+    codec = TQCodec(name, 64)
+    changed = [f.name for f in codec.layout.fields.values()
+               if f.nbytes > 1 and paged.column_major(f) != SHIPPED_COLUMN_MAJOR(f)]
+    assert changed                                  # the store really writes another layout
+    cache, bt, seq_lens = filled_cache(codec, [37, 16], 2, 16, stale=True)
+    slots = paged.gather_slots_ref(codec, cache, bt, seq_lens)
+    q = torch.randn(2, 4, 64)
+    out = paged.decode_attention_ref(codec, q, cache, bt, seq_lens)
+    for b, n in enumerate((37, 16)):
+        o = attention_on_codes(codec.folded(), q[b:b + 1], slots[b], kv_lens=torch.tensor([n]))
+        torch.testing.assert_close(out[b:b + 1], o, rtol=1e-5, atol=1e-5)
+    k, v = paged.dequant_ref(codec, cache, bt, seq_lens)
+    kk, vv = codec.folded().decode(torch.cat(slots))
+    torch.testing.assert_close(k, kk, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v, vv, rtol=1e-5, atol=1e-6)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tqattn.quant.packing import lookup_table, pack_bits, packed_nbytes, unpack_bits, unpack_lookup
+from tqattn.quant.packing import gather_rows, lookup_table, pack_bits, packed_nbytes, unpack_bits, unpack_lookup
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
@@ -48,3 +48,16 @@ def test_lookup_table_needs_a_width_that_divides_a_byte():
         lookup_table(torch.randn(8), 3)
     with pytest.raises(ValueError, match="rows"):
         unpack_lookup(torch.zeros(2, 4, dtype=torch.uint8), 4, 8, torch.randn(16, 2))
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+def test_gather_rows_is_indexing(w):
+    table = torch.randn(300, w)
+    table[7, 0] = float("nan")                          # bits are moved, not computed
+    idx = torch.randint(0, 300, (5, 3, 4), dtype=torch.int32)
+    idx[0, 0, 0] = 7
+    got = gather_rows(table, idx)
+    assert got.shape == (5, 3, 4, w)
+    assert torch.equal(got.view(torch.int32), table[idx.long()].view(torch.int32))
+    with pytest.raises(ValueError, match="float32 table"):
+        gather_rows(table.double(), idx)

@@ -66,7 +66,7 @@ import torch
 from .attention_ref import attend, visible_keys
 from .codec import TQCodec
 from .layout import Field, build_layout
-from .packing import lookup_table, pack_bits, unpack_bits, unpack_lookup
+from .packing import gather_rows, lookup_table, pack_bits, unpack_bits, unpack_lookup
 
 
 def _is_fp16_field(f: Field) -> bool:
@@ -226,22 +226,28 @@ def sequence_pages(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: 
     return pages.transpose(1, 2), valid
 
 
+def field_planes(pages: torch.Tensor, f: Field, block_size: int) -> list[torch.Tensor]:
+    """The ``W = field_words(f)`` sub-planes of field f of every token of pages (..., n,
+    block_size·slot_bytes): W tensors (..., n·block_size, G), ``G = f.nbytes / W``.
+
+    Token-major or column-major as :func:`column_major` says, so the reader follows the layout
+    that :func:`page_positions` tabulates (and the store writes) instead of assuming one."""
+    w = field_words(f)
+    g = f.nbytes // w
+    plane = pages[..., block_size * f.offset:block_size * (f.offset + f.nbytes)]
+    if column_major(f):
+        subs = plane.unflatten(-1, (w, g, block_size)).transpose(-1, -2)
+    else:
+        subs = plane.unflatten(-1, (w, block_size, g))
+    return [subs[..., s, :, :].flatten(-3, -2) for s in range(w)]
+
+
 def field_bytes(pages: torch.Tensor, f: Field, block_size: int) -> torch.Tensor:
     """A field of one byte per word (module docstring) of every token of pages (..., n,
     block_size·slot_bytes): (..., n·block_size, nbytes) in slot byte order."""
-    plane = pages[..., block_size * f.offset:block_size * (f.offset + f.nbytes)]
-    return plane.unflatten(-1, (block_size, f.nbytes)).flatten(-3, -2)
-
-
-def word_planes(pages: torch.Tensor, f: Field, block_size: int) -> list[torch.Tensor]:
-    """The three sub-planes of a 3-bit word field, each (..., n·block_size, words) uint8."""
-    g = f.nbytes // 3
-    plane = pages[..., block_size * f.offset:block_size * (f.offset + f.nbytes)]
-    if column_major(f):
-        subs = plane.unflatten(-1, (3, g, block_size)).transpose(-1, -2)
-    else:
-        subs = plane.unflatten(-1, (3, block_size, g))
-    return [subs[..., s, :, :].flatten(-3, -2) for s in range(3)]
+    if field_words(f) != 1:
+        raise ValueError(f"field {f.name} is stored as 3-byte words; read it with field_planes")
+    return field_planes(pages, f, block_size)[0]
 
 
 def fp16_field(pages: torch.Tensor, f: Field, block_size: int) -> torch.Tensor:
@@ -268,7 +274,7 @@ def page_word_values(planes: list[torch.Tensor], lut: torch.Tensor) -> torch.Ten
     hi = ((b0 >> 3) & 0x11) | ((b1 >> 2) & 0x22) | ((b2 >> 1) & 0x44)
     lo = (b0 & 0x77).int() | ((b1 & 0x77).int() << 7)
     up = (b2 & 0x77).int() | (hi.int() << 7)
-    return torch.nn.functional.embedding(torch.stack([lo, up], -1), lut).flatten(-3)
+    return gather_rows(lut, torch.stack([lo, up], -1)).flatten(-3)
 
 
 @lru_cache(maxsize=64)
@@ -300,7 +306,7 @@ def _code_luts(codec: TQCodec) -> dict[str, torch.Tensor]:
 def _field_values(codec: TQCodec, pages, f: Field, block_size: int) -> torch.Tensor:
     lut = _code_luts(codec)[f.name].to(pages.device)
     if field_words(f) == 3:
-        return page_word_values(word_planes(pages, f, block_size), lut)
+        return page_word_values(field_planes(pages, f, block_size), lut)
     if 8 % f.bits:
         return lut[unpack_bits(field_bytes(pages, f, block_size), f.bits, f.count)]
     return unpack_lookup(field_bytes(pages, f, block_size), f.bits, f.count, lut)

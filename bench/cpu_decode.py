@@ -9,7 +9,7 @@ count used by torch; ``cpu_s_per_wall_s`` (process CPU time over wall time of th
 shows whether the run had its threads' cores.
 
     PYTHONPATH=. python3 bench/cpu_decode.py --kv-cache-dtypes auto,tq_k4v3,turboquant_k3v4_nc \\
-        --prompt-len 2900 --max-tokens 128 --json bench/results/cpu_decode_smollm2.json
+        --prompt-len 2900 --max-tokens 128 --threads 1 --json bench/results/cpu_decode_smollm2_1thread.json
     PYTHONPATH=. python3 bench/cpu_decode.py --kv-cache-dtypes tq_k4v3 --profile 25
         (cProfile of the timed decode, the 25 costliest functions by own time)
 """

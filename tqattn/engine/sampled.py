@@ -54,6 +54,11 @@ class SampledTokens:
         """Write into a step's flattened input_ids (on its device) the tokens of this step that
         its scheduled chunks end with (the placeholders; a placeholder is only ever a
         sequence's last token)."""
+        apply_feed(input_ids, self.feed_index(scheduled), self.device)
+
+    def feed_index(self, scheduled) -> tuple[list[int], list[int]] | None:
+        """(flattened token index of each placeholder in the step, row of its token here), or
+        None when the step has no placeholder."""
         dst, src, t = [], [], 0
         for s in scheduled:
             t += s.num_scheduled_tokens
@@ -64,9 +69,15 @@ class SampledTokens:
                                        f"in flight sampled")
                 dst.append(t - 1)
                 src.append(row)
-        if dst:
-            index = torch.tensor([dst, src], dtype=torch.int64)
-            if input_ids.is_cuda:
-                index = index.pin_memory().to(input_ids.device, non_blocking=True)
-            input_ids.index_copy_(0, index[0], self.device.index_select(0, index[1]))
+        return (dst, src) if dst else None
 
+
+def apply_feed(input_ids: torch.Tensor, index: tuple[list[int], list[int]] | None,
+               tokens: torch.Tensor | None) -> None:
+    """input_ids[dst] = tokens[src] for a feed_index; on the device, without a host sync."""
+    if index is None:
+        return
+    index = torch.tensor(index, dtype=torch.int64)
+    if input_ids.is_cuda:
+        index = index.pin_memory().to(input_ids.device, non_blocking=True)
+    input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))

@@ -110,11 +110,16 @@ def test_cli_flag_rejects_zero(capsys):
 
 @cpu_only
 def test_two_ranks_match_one_process_turboquant_and_stop_when_deleted():
-    """qwen3-tiny (tied embeddings, q/k norms) on tq_k4v3: each rank holds 1 of 2 KV heads."""
+    """qwen3-tiny (tied embeddings, q/k norms) on tq_k4v3: each rank holds 1 of 2 KV heads. Async
+    scheduling (the GPU default): rank 0 sends each step's sampled tokens to the other rank."""
     kw = dict(ENGINE, kv_cache_dtype="tq_k4v3")
     one = LLM("qwen3-tiny", **kw)
     tokens_one = generate(one)
-    tp = LLM("qwen3-tiny", tensor_parallel_size=2, **kw)
+    tp = LLM("qwen3-tiny", tensor_parallel_size=2, async_scheduling=True, **kw)
+    model = tp.llm_engine.loaded.model  # rank 0's shard: attention by heads, the embedding whole
+    assert model.model.layers[0].self_attn.q_proj.weight.to_local().shape == (64, 64)
+    assert type(model.model.embed_tokens.weight) is torch.nn.Parameter
+    assert model.model.embed_tokens.weight.shape == (256, 64)
     plan = tp.kv_cache_plan
     assert (plan["tensor_parallel_size"], plan["q_heads_per_rank"], plan["kv_heads_per_rank"],
             plan["kv_head_replicas"]) == (2, 2, 1, 1)
@@ -125,6 +130,9 @@ def test_two_ranks_match_one_process_turboquant_and_stop_when_deleted():
     assert_greedy_agrees(one, generate(tp), tokens_one)
     ids = PROMPTS[2] + tokens_one[2]
     assert torch.allclose(tp.score(ids), one.score(ids), atol=1e-4, rtol=0)  # seen: 3e-6
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seed=7, ignore_eos=True)
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    assert tp.generate(prompt, seeded)[0].outputs[0].token_ids == one.generate(prompt, seeded)[0].outputs[0].token_ids
     pids = worker_pids(tp)
     assert len(pids) == 1
     del tp

@@ -85,16 +85,23 @@ def check_model(hf_config: Any, tp: int) -> HeadSplit:
 
 def tp_load_kwargs(hf_config: Any, model_prefix: str, tp: int) -> dict:
     """``from_pretrained`` keyword arguments that shard the model over the joined process group
-    with its own plan. With fewer KV heads than ranks the KV projections use transformers'
-    ``unit_colwise`` (whole heads, each on tp / num_kv_heads ranks)."""
+    with its own plan, and three overrides (transformers' own styles):
+
+    * the input embedding stays whole on every rank (``replicate``): the plan's vocab-parallel
+      embedding runs through DTensor sharding propagation, which cannot trace the compiled
+      model's unbacked token count; a tied LM head shares that whole weight, so it stays whole too;
+    * with fewer KV heads than ranks the KV projections use ``unit_colwise`` (whole heads, each on
+      tp / num_kv_heads ranks)."""
     from transformers.distributed import DistributedConfig
 
     split = check_model(hf_config, tp)
-    overrides = None
+    cfg = _text_config(hf_config)
+    overrides = {f"{model_prefix}.embed_tokens": "replicate"}
+    if getattr(hf_config, "tie_word_embeddings", False) or getattr(cfg, "tie_word_embeddings", False):
+        overrides["lm_head"] = "replicate"
     if split.kv_head_replicas > 1:
-        overrides = {f"{model_prefix}.{key}": "unit_colwise"
-                     for key, style in _text_config(hf_config).base_model_tp_plan.items()
-                     if key.rsplit(".", 1)[-1] in ("k_proj", "v_proj") and style == "colwise"}
+        overrides.update({f"{model_prefix}.{key}": "unit_colwise" for key, style in cfg.base_model_tp_plan.items()
+                          if key.rsplit(".", 1)[-1] in ("k_proj", "v_proj") and style == "colwise"})
     return {"distributed_config": DistributedConfig(tp_size=tp, tp_plan=overrides)}
 
 

@@ -158,6 +158,8 @@ def test_two_ranks_replicate_a_single_kv_head(tmp_path):
     assert_greedy_agrees(one, generate(tp), tokens_one)
     tp.shutdown()
     assert tp.llm_engine.workers.procs == []
+    with pytest.raises(TensorParallelError, match=r"ranks have stopped \(shut down\); start a new engine"):
+        generate(tp)
 
 
 @cpu_only
@@ -174,7 +176,7 @@ def test_a_worker_exception_surfaces_with_its_traceback_and_stops_the_workers(mo
                                                   r"RuntimeError: injected fault in worker step 3"):
         generate(tp)
     assert_gone(pids)
-    with pytest.raises(TensorParallelError, match=r"stopped after an error \(tensor-parallel worker rank 1 "
+    with pytest.raises(TensorParallelError, match=r"ranks have stopped \(tensor-parallel worker rank 1 "
                                                   r"exited with code 1:\); start a new engine"):
         generate(tp)
     bm = tp.llm_engine.block_manager  # the failed requests were aborted, their blocks freed

@@ -101,8 +101,8 @@ class TensorParallelGroup:
     def send(self, message: tuple) -> None:
         if self.failed is not None:
             first = str(self.failed).splitlines()[0] if str(self.failed) else type(self.failed).__name__
-            raise TensorParallelError(f"this engine's tensor-parallel ranks stopped after an error "
-                                      f"({first}); start a new engine") from self.failed
+            raise TensorParallelError(f"this engine's tensor-parallel ranks have stopped ({first}); "
+                                      f"start a new engine") from self.failed
         dist.broadcast_object_list([message], src=0, group=self.cpu_group)
 
     def recv(self) -> tuple:

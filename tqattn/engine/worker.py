@@ -146,6 +146,8 @@ class WorkerPool:
                 group.send(("shutdown",))
             except Exception:  # noqa: BLE001 — a worker gone meanwhile: killed below
                 healthy = False
+        if group is not None and group.failed is None:  # the engine's next call says so
+            group.failed = TensorParallelError("shut down")
         deadline = time.monotonic() + (_STOP_WAIT_S if graceful and healthy else 0.0)
         for proc in self.procs:
             try:
@@ -197,6 +199,7 @@ def main() -> None:
     spec = pickle.load(sys.stdin.buffer)
     rank = spec["rank"]
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tqattn rank {rank}: %(message)s")
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # rank 0 shows the loading progress
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     try:
         run_worker(spec)

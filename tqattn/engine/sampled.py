@@ -50,15 +50,11 @@ class SampledTokens:
             self._event.synchronize()
         return self._host.tolist()
 
-    def feed(self, input_ids: torch.Tensor, scheduled) -> None:
-        """Write into a step's flattened input_ids (on its device) the tokens of this step that
-        its scheduled chunks end with (the placeholders; a placeholder is only ever a
-        sequence's last token)."""
-        apply_feed(input_ids, self.feed_index(scheduled), self.device)
-
     def feed_index(self, scheduled) -> tuple[list[int], list[int]] | None:
-        """(flattened token index of each placeholder in the step, row of its token here), or
-        None when the step has no placeholder."""
+        """Where this step's tokens go in the next step's flattened input_ids (the placeholders
+        its scheduled chunks end with; a placeholder is only ever a sequence's last token):
+        (token index of each placeholder, row of its token here), or None when there is none.
+        :func:`apply_feed` writes them on the device."""
         dst, src, t = [], [], 0
         for s in scheduled:
             t += s.num_scheduled_tokens

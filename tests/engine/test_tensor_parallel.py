@@ -41,6 +41,7 @@ def generate(llm: LLM) -> list[list[int]]:
 
 
 def assert_greedy_agrees(one: LLM, tokens_tp: list[list[int]], tokens_one: list[list[int]]) -> None:
+    assert [len(t) for t in tokens_tp] == [len(t) for t in tokens_one] == [GREEDY.max_tokens] * len(PROMPTS)
     for prompt, a, b in zip(PROMPTS, tokens_tp, tokens_one):
         if a == b:
             continue
@@ -54,6 +55,13 @@ def assert_greedy_agrees(one: LLM, tokens_tp: list[list[int]], tokens_one: list[
 
 def worker_pids(llm: LLM) -> list[int]:
     return [p.pid for p in llm.llm_engine.workers.procs]
+
+
+def assert_multicast_off(pid: int) -> None:
+    """The lent multi-GPU machines need NCCL's NVLink multicast off in every rank's process."""
+    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+    assert (env.get("NCCL_NVLS_ENABLE"), env.get("TORCH_SYMM_MEM_DISABLE_MULTICAST")) == ("0", "1"), pid
+    assert (os.environ.get("NCCL_NVLS_ENABLE"), os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST")) == ("0", "1")
 
 
 def assert_gone(pids: list[int], within_s: float = 10.0) -> None:
@@ -135,6 +143,7 @@ def test_two_ranks_match_one_process_turboquant_and_stop_when_deleted():
     assert tp.generate(prompt, seeded)[0].outputs[0].token_ids == one.generate(prompt, seeded)[0].outputs[0].token_ids
     pids = worker_pids(tp)
     assert len(pids) == 1
+    assert_multicast_off(pids[0])
     del tp
     gc.collect()
     assert_gone(pids)

@@ -21,12 +21,13 @@ import torch
 
 from tqattn.attention.backend import AttentionLayerSpec
 from tqattn.attention.hf_attention import use_tqattn
-from tqattn.attention.selector import (FULL_PRECISION, build_attention_layers, describe_full_precision,
+from tqattn.attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, FULL_PRECISION,
+                                       build_attention_layers, describe_full_precision,
                                        describe_plan, full_precision_layers, resolve_kv_cache_dtypes)
 from tqattn.models import load_model
 from tqattn.quant.presets import PRESETS
 
-from . import compilation
+from . import calibration, compilation
 from .block_manager import BlockManager
 from .config import SchedulerConfig
 from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks, kv_cache_groups
@@ -50,8 +51,11 @@ class EngineArgs:
     model: str = "default"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
-    kv_cache_dtype_skip_layers: list[int | str] = field(default_factory=list)
+    # "auto": the layers the start-up calibration finds the codec cannot hold (selector.py)
+    kv_cache_dtype_skip_layers: list[int | str] = field(default_factory=lambda: [AUTO_SKIP])
     kv_cache_boundary_layers: int | None = None  # None: the selector's default
+    kv_cache_key_centering: bool | None = None  # None: on, except where it is not exact (soft-cap)
+    kv_cache_auto_skip_budget: float = DEFAULT_AUTO_SKIP_BUDGET  # of the all-compressed bytes
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -90,6 +94,13 @@ class EngineArgs:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False or None, got "
                              f"{self.async_scheduling!r}")
+        if self.kv_cache_key_centering is not None and not isinstance(self.kv_cache_key_centering, bool):
+            raise ValueError(f"kv_cache_key_centering must be True, False or None, got "
+                             f"{self.kv_cache_key_centering!r}")
+        budget = self.kv_cache_auto_skip_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+            raise ValueError(f"kv_cache_auto_skip_budget must be a number >= 0 (a share of the "
+                             f"all-compressed cache's bytes, e.g. 0.2), got {budget!r}")
         if self.enforce_eager and self.compile_model:
             raise ValueError("enforce_eager=True runs the model eagerly (no compilation, no CUDA "
                              "graphs); it cannot be combined with compile_model=True")
@@ -179,6 +190,9 @@ class LLMEngine:
                                           max_model_len=args.max_model_len)
         self.tokenizer = loaded.tokenizer
         self.model_info = loaded.info
+        done("load")
+        self.calibration, self.key_centering = calibration.engine_calibration(args, loaded)
+        done("calibration")
         self.layers = self._attention_layers()
         use_tqattn(loaded.model, [layer.spec for layer in self.layers])
         config = SchedulerConfig(
@@ -189,7 +203,7 @@ class LLMEngine:
         groups = kv_cache_groups(self.layers, args.block_size)
         runner = self.runner = ModelRunner(loaded.model, self.layers, groups, args.block_size,
                                            self.device, args.seed, compile_model=compile_model)
-        done("load")
+        done("plan")
         if compile_model:  # at the largest step's size: what Inductor tunes for
             runner.dummy_prefill(args.max_num_batched_tokens, loaded.max_model_len)
         done("compile")
@@ -217,6 +231,8 @@ class LLMEngine:
         self._last_done = 0.0  # perf_counter when the last step's tokens reached the host
         self._last_ended = None  # the last recorded step's end event (device timing)
         self.plan = describe_plan(self.layers, args.block_size)
+        self.plan.update(key_centering=self.key_centering, auto_routing=self.auto_routing,
+                         calibration=self.calibration.describe() if self.calibration else None)
         self.plan.update(num_blocks=num_blocks, block_size=args.block_size,
                          cache_tokens=self.kv_cache_config.num_tokens,
                          cache_bytes=self.kv_cache_config.total_bytes,
@@ -241,11 +257,14 @@ class LLMEngine:
         """Each layer's spec from the HF config, its KV dtype from the routing, its backend."""
         args, info = self.args, self.model_info
         routing = (info.num_layers, info.sliding_windows)
+        auto, self.auto_routing = calibration.choose_auto_layers(args, info, self.calibration)
+        if self.auto_routing:
+            logger.info("%s", self.auto_routing)
         dtypes = resolve_kv_cache_dtypes(*routing, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers,
-                                         args.kv_cache_boundary_layers)
+                                         args.kv_cache_boundary_layers, auto)
         if args.kv_cache_dtype in PRESETS and FULL_PRECISION in dtypes:
             rules = full_precision_layers(*routing, args.kv_cache_dtype_skip_layers,
-                                          args.kv_cache_boundary_layers)
+                                          args.kv_cache_boundary_layers, auto)
             logger.warning("kv_cache_dtype=%s: %s keep a full-precision cache", args.kv_cache_dtype,
                            describe_full_precision(rules, info.num_layers))
         specs = [AttentionLayerSpec(
@@ -254,11 +273,13 @@ class LLMEngine:
             kv_cache_dtype=dtypes[i], sliding_window=info.sliding_windows[i],
             logits_soft_cap=info.attn_logit_softcapping or 0.0) for i in range(info.num_layers)]
         try:
-            return build_attention_layers(specs, args.block_size)
+            layers = build_attention_layers(specs, args.block_size)
         except ValueError as e:
             raise ValueError(f"model {self.loaded.name} (head size {info.head_dim}) cannot use "
                              f"kv_cache_dtype={args.kv_cache_dtype!r}: {e}; pick another preset "
                              f"(see `tqattn presets`) or kv_cache_dtype='auto'") from e
+        calibration.apply_key_offsets(layers, self.calibration, self.key_centering, self.device)
+        return layers
 
     def _num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         args = self.args
@@ -531,6 +552,11 @@ def format_plan(plan: dict) -> str:
     lines = [f"KV-cache plan: {plan['num_layers']} layers: {backends}; kv_cache_dtype: {dtypes}"]
     for g in plan["groups"]:
         lines.append(f"  group {g['group']}: {g['backend']} {g['kv_cache_dtype']} layers {g['layers']}")
+    if plan.get("calibration"):
+        lines.append(f"  keys centered: {'yes' if plan.get('key_centering') else 'no'}; "
+                     f"{plan['calibration']}")
+    if plan.get("auto_routing"):
+        lines.append(f"  {plan['auto_routing']}")
     lines.append(f"  {plan['bytes_per_token']:.1f} bytes/token (bf16: {plan['bf16_bytes_per_token']}), "
                  f"{plan['capacity_vs_bf16']:.2f}x the tokens of bf16; cache: {plan['num_blocks']} blocks "
                  f"x {plan['block_size']} = {plan['cache_tokens']} tokens in {plan['cache_bytes'] / 2**20:.1f} MiB "

@@ -297,54 +297,77 @@ def resolve_key_centering(requested: bool | None, kv_cache_dtype: str, info, mod
     return True
 
 
-def engine_calibration(args, loaded) -> tuple[Calibration | None, bool]:
-    """(the calibration the engine's settings need, or None; whether keys are centered)."""
+@dataclass
+class KeyPlan:
+    """What the calibration decided for a model and its cache settings."""
+    calibration: Calibration | None     # None: the settings need none
+    centered: bool
+    auto_layers: list[int] | None       # None: automatic routing not asked for
+    routing: str | None = None          # the plan log's line on automatic routing
+
+    @property
+    def key_offsets(self) -> torch.Tensor | None:
+        """(L, Hk, D) offsets the TurboQuant layers center by, or None."""
+        return self.calibration.key_offsets if self.centered else None
+
+
+def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_cache_dtype: str,
+              skip_layers, boundary_layers: int | None, key_centering: bool | None,
+              auto_skip_budget: float, max_model_len: int, use_cache: bool = True) -> KeyPlan:
+    """Calibrate if the settings need it (a TurboQuant ``kv_cache_dtype`` with key centering or
+    ``"auto"`` routing), and choose the automatic layers."""
     from ..attention.selector import wants_auto_layers
     from ..quant.presets import PRESETS
 
-    info = loaded.info
-    centered = resolve_key_centering(args.kv_cache_key_centering, args.kv_cache_dtype, info,
-                                     loaded.name)
-    if args.kv_cache_dtype not in PRESETS or not (
-            centered or wants_auto_layers(args.kv_cache_dtype_skip_layers)):
-        return None, False
-    cal = calibrate(loaded.model, loaded.tokenizer, preset=args.kv_cache_dtype,
-                    head_dim=info.head_dim, num_layers=info.num_layers,
-                    vocab_size=info.vocab_size, max_model_len=loaded.max_model_len,
-                    centered=centered)
+    auto = wants_auto_layers(skip_layers)
+    if (kv_cache_dtype not in PRESETS
+            or PRESETS[kv_cache_dtype].head_dim_unsupported_reason(info.head_dim)):
+        # a full-precision cache, or a preset the layer plan refuses (with the reason)
+        return KeyPlan(None, False, [] if auto else None)
+    centered = resolve_key_centering(key_centering, kv_cache_dtype, info, model_name)
+    if not (centered or auto):
+        return KeyPlan(None, False, None)
+    cal = calibrate(model, tokenizer, preset=kv_cache_dtype, head_dim=info.head_dim,
+                    num_layers=info.num_layers, vocab_size=info.vocab_size,
+                    max_model_len=max_model_len, centered=centered, use_cache=use_cache)
     logger.info("%s", cal.describe())
-    return cal, centered
+    if not auto:
+        return KeyPlan(cal, centered, None)
+    layers, line = choose_auto_layers(cal, info, kv_cache_dtype, skip_layers, boundary_layers,
+                                      auto_skip_budget)
+    logger.info("%s", line)
+    return KeyPlan(cal, centered, layers, line)
 
 
-def choose_auto_layers(args, info, cal: Calibration | None) -> tuple[list[int] | None, str | None]:
-    """(layers automatic routing keeps full precision, the log line), or (None, None) when the
-    settings do not ask for it. Extra bytes count full precision at 16 bits, so the choice is
-    the same on every device."""
-    from ..attention.selector import (AUTO_SKIP, auto_full_precision_layers, full_precision_layers,
-                                      wants_auto_layers)
+def choose_auto_layers(cal: Calibration, info, kv_cache_dtype: str, skip_layers,
+                       boundary_layers: int | None, budget: float) -> tuple[list[int], str]:
+    """(layers automatic routing keeps full precision, the log line). The layers other rules
+    keep are not judged; extra bytes count full precision at 16 bits, so the choice is the
+    same on every device."""
+    from ..attention.selector import AUTO_SKIP, auto_full_precision_layers, full_precision_layers
     from ..quant.layout import build_layout
 
-    if cal is None or not wants_auto_layers(args.kv_cache_dtype_skip_layers):
-        return None, None
-    skip = args.kv_cache_dtype_skip_layers
+    if isinstance(skip_layers, (str, int)):
+        skip_layers = [skip_layers]
     others = full_precision_layers(info.num_layers, info.sliding_windows,
-                                   [e for e in skip if not (isinstance(e, str)
-                                                            and e.strip() == AUTO_SKIP)],
-                                   args.kv_cache_boundary_layers)
+                                   [e for e in skip_layers
+                                    if not (isinstance(e, str) and e.strip() == AUTO_SKIP)],
+                                   boundary_layers)
     candidates = set(range(info.num_layers)) - set().union(*others.values())
-    slot = build_layout(args.kv_cache_dtype, info.head_dim).slot_bytes
+    slot = build_layout(kv_cache_dtype, info.head_dim).slot_bytes
     extra = info.num_kv_heads * (2 * info.head_dim * 2 - slot)
-    budget = args.kv_cache_auto_skip_budget * info.num_layers * info.num_kv_heads * slot
-    return auto_full_precision_layers(cal.errors, candidates, extra, budget)
+    budget_bytes = budget * info.num_layers * info.num_kv_heads * slot
+    return auto_full_precision_layers(cal.errors, candidates, extra, budget_bytes)
 
 
-def apply_key_offsets(layers, cal: Calibration | None, centered: bool, device) -> int:
+def apply_key_offsets(layers, plan: KeyPlan, device) -> int:
     """Give every TurboQuant layer its key offset; returns how many layers got one."""
-    if cal is None or not centered:
+    offsets = plan.key_offsets
+    if offsets is None:
         return 0
     n = 0
     for layer in layers:
         if hasattr(layer.impl, "set_key_offset"):
-            layer.impl.set_key_offset(cal.key_offsets[layer.spec.layer_idx], device)
+            layer.impl.set_key_offset(offsets[layer.spec.layer_idx], device)
             n += 1
     return n

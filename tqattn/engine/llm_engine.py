@@ -191,7 +191,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_info = loaded.info
         done("load")
-        self.calibration, self.key_centering = calibration.engine_calibration(args, loaded)
+        self.key_plan = calibration.plan_keys(
+            loaded.model, loaded.tokenizer, loaded.info, loaded.name,
+            kv_cache_dtype=args.kv_cache_dtype, skip_layers=args.kv_cache_dtype_skip_layers,
+            boundary_layers=args.kv_cache_boundary_layers, key_centering=args.kv_cache_key_centering,
+            auto_skip_budget=args.kv_cache_auto_skip_budget, max_model_len=loaded.max_model_len)
         done("calibration")
         self.layers = self._attention_layers()
         use_tqattn(loaded.model, [layer.spec for layer in self.layers])
@@ -231,8 +235,9 @@ class LLMEngine:
         self._last_done = 0.0  # perf_counter when the last step's tokens reached the host
         self._last_ended = None  # the last recorded step's end event (device timing)
         self.plan = describe_plan(self.layers, args.block_size)
-        self.plan.update(key_centering=self.key_centering, auto_routing=self.auto_routing,
-                         calibration=self.calibration.describe() if self.calibration else None)
+        cal = self.key_plan.calibration
+        self.plan.update(key_centering=self.key_plan.centered, auto_routing=self.key_plan.routing,
+                         calibration=cal.describe() if cal else None)
         self.plan.update(num_blocks=num_blocks, block_size=args.block_size,
                          cache_tokens=self.kv_cache_config.num_tokens,
                          cache_bytes=self.kv_cache_config.total_bytes,
@@ -257,9 +262,7 @@ class LLMEngine:
         """Each layer's spec from the HF config, its KV dtype from the routing, its backend."""
         args, info = self.args, self.model_info
         routing = (info.num_layers, info.sliding_windows)
-        auto, self.auto_routing = calibration.choose_auto_layers(args, info, self.calibration)
-        if self.auto_routing:
-            logger.info("%s", self.auto_routing)
+        auto = self.key_plan.auto_layers
         dtypes = resolve_kv_cache_dtypes(*routing, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers,
                                          args.kv_cache_boundary_layers, auto)
         if args.kv_cache_dtype in PRESETS and FULL_PRECISION in dtypes:
@@ -278,7 +281,7 @@ class LLMEngine:
             raise ValueError(f"model {self.loaded.name} (head size {info.head_dim}) cannot use "
                              f"kv_cache_dtype={args.kv_cache_dtype!r}: {e}; pick another preset "
                              f"(see `tqattn presets`) or kv_cache_dtype='auto'") from e
-        calibration.apply_key_offsets(layers, self.calibration, self.key_centering, self.device)
+        calibration.apply_key_offsets(layers, self.key_plan, self.device)
         return layers
 
     def _num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:

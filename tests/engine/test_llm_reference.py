@@ -6,9 +6,9 @@ TurboQuant layers keep ``codec.folded().decode(codec.encode(k, v, fold_nc=True))
 reading a compressed page slot gives), full-precision layers the raw K/V. It follows the
 backends' rule: tokens stored by earlier steps are read from that history; the K/V of the
 step's own chunk are read raw, except that a one-token chunk is stored first and attends to
-itself compressed. ``key_offsets`` (L, Hk, D), the engine's calibration: a TurboQuant layer
-encodes k − μ and reads back the decoded keys + μ (the raw chunk as it came), which is the
-un-centered attention over the codes a centering engine writes.
+itself compressed. ``key_offsets`` (per layer an (Hk, D) tensor or None, the engine's): a
+centered TurboQuant layer encodes k − μ and reads back the decoded keys + μ (the raw chunk as it
+came), which is the un-centered attention over the codes a centering engine writes.
 
 ``record_chunks`` spies on an engine's model runner to get the chunking each request saw.
 """
@@ -76,7 +76,8 @@ class _State:
         if preset == "auto":
             return k, v
         codec = get_codec(preset, k.shape[-1])
-        mu = 0.0 if self.key_offsets is None else self.key_offsets[layer].to(k.dtype)
+        mu = None if self.key_offsets is None else self.key_offsets[layer]
+        mu = 0.0 if mu is None else mu.to(k.dtype)
         # the paged cache's form: "nc" norms folded (tqattn.quant.paged)
         k_hat, v_hat = codec.folded().decode(codec.encode(k - mu, v, on_nonfinite="propagate",
                                                           fold_nc=True))
@@ -112,7 +113,8 @@ class ChunkedReference:
         from transformers import AttentionInterface
 
         AttentionInterface.register(REF_IMPL, _reference_attention)
-        self.lm = load_model(name, load_format="dummy", **load_kwargs)
+        load_kwargs.setdefault("load_format", "dummy")
+        self.lm = load_model(name, **load_kwargs)
         self.lm.model.set_attn_implementation(REF_IMPL)
         n = self.lm.info.num_layers
         self.kv_dtypes = [kv_dtypes] * n if isinstance(kv_dtypes, str) else list(kv_dtypes)

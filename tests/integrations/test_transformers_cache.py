@@ -82,8 +82,7 @@ def test_window_0_equals_engine_with_left_padding(name, preset, routing):
     engine_kw = {"kv_cache_dtype_skip_layers": routing.get("skip_layers", []),
                  "kv_cache_boundary_layers": routing.get("boundary_layers", 0)}
     llm, expected = engine_generate(name, prompts, preset, **engine_kw)
-    offsets = llm.llm_engine.key_plan.key_offsets       # the engine centers keys by default
-    assert offsets is not None
+    offsets = llm.llm_engine.key_plan.key_offsets       # the engine's centered layers
     cache = TurboQuantCache(lm.model.config, preset, residual_length=0, key_offsets=offsets,
                             **routing)
     assert cache.layer_kv_cache_dtypes == [layer.spec.kv_cache_dtype for layer in llm.llm_engine.layers]
@@ -100,11 +99,14 @@ def test_window_0_equals_engine_on_smollm2():
             [{"role": "user", "content": "Name a prime number."}]]
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m in msgs]
     prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
-    llm, expected = engine_generate("default", prompts, "tq_k4v3", n=16)
-    # the engine's defaults (centered keys, automatic routing), reproduced by the calibration
-    cache = TurboQuantCache.calibrated(lm.model, tok, "tq_k4v3", residual_length=0)
+    # Plain codes (no centering, every layer compressed): exact greedy equality on a real model
+    # holds only while no near-tie meets a float-order difference; with centered keys the second
+    # prompt meets one at its 4th token (top-2 within 0.25 nats). The calibrated cache is
+    # checked against the engine by KL below and token for token on the dummy models above.
+    llm, expected = engine_generate("default", prompts, "tq_k4v3", n=16,
+                                    kv_cache_key_centering=False, kv_cache_dtype_skip_layers=[])
+    cache = TurboQuantCache(lm.model, "tq_k4v3", residual_length=0)
     assert cache.layer_kv_cache_dtypes == [x.spec.kv_cache_dtype for x in llm.llm_engine.layers]
-    torch.testing.assert_close(cache.layers[0].key_offset, llm.llm_engine.key_plan.key_offsets[0])
     got = hf_generate(lm.model, prompts, cache, n=16, pad=tok.pad_token_id)
     assert got == expected
     assert tok.decode(got[0]).startswith("The capital of France is Paris")
@@ -138,8 +140,14 @@ def test_default_window_teacher_forced_top1_vs_engine():
     llm = LLM("default", kv_cache_dtype="tq_k4v3")
     engine = llm.score(ids[:-1], chunk_size=chunk, logprobs_start=prefix - 1).float()
     # the engine's defaults (centered keys, automatic routing), reproduced by the calibration
-    same = _teacher_forced(lm.model, ids, TurboQuantCache.calibrated(
-        lm.model, lm.tokenizer, "tq_k4v3", residual_length=0), prefix, chunk)
+    cache = TurboQuantCache.calibrated(lm.model, lm.tokenizer, "tq_k4v3", residual_length=0)
+    assert cache.layer_kv_cache_dtypes == [x.spec.kv_cache_dtype for x in llm.llm_engine.layers]
+    offsets = llm.llm_engine.key_plan.key_offsets
+    assert offsets is not None and any(mu is not None for mu in offsets)
+    assert all((layer.key_offset is None) == (offsets[i] is None) for i, layer in enumerate(cache.layers))
+    assert all(torch.equal(layer.key_offset, offsets[i]) for i, layer in enumerate(cache.layers)
+               if offsets[i] is not None)
+    same = _teacher_forced(lm.model, ids, cache, prefix, chunk)
     full = _teacher_forced(lm.model, ids, DynamicCache(config=lm.model.config), prefix, chunk)
     # Window 0 is the engine's cache: the two differ only by float rounding (another order of
     # the attention sums), which a flipped quantization code now and then amplifies down the
@@ -303,9 +311,9 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="skip_layers 'auto' needs the model's calibration; use "
                                          r"TurboQuantCache\.calibrated"):
         TurboQuantCache(config, skip_layers=["auto"])
-    with pytest.raises(ValueError, match=r"key_offsets of shape \(2, 2, 8\); expected "
-                                         r"\(num_layers, num_kv_heads, head_dim\) = \(2, 2, 16\)"):
-        TurboQuantCache(config, key_offsets=torch.zeros(2, 2, 8))
+    with pytest.raises(ValueError, match=r"key_offsets \[\(2, 8\), None\]; expected one "
+                                         r"\(num_kv_heads, head_dim\) = \(2, 16\) tensor or None"):
+        TurboQuantCache(config, key_offsets=[torch.zeros(2, 8), None])
     assert DEFAULT_RESIDUAL_LENGTH >= 0
 
 

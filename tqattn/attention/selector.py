@@ -232,6 +232,8 @@ def describe_plan(layers: Sequence[AttentionLayer], block_size: int) -> dict:
         "backends": dict(Counter(l.backend.name for l in layers)),
         "kv_cache_dtypes": dict(Counter(l.spec.kv_cache_dtype for l in layers)),
         "groups": [groups[g] for g in sorted(groups)],
+        "full_precision_layers": [l.spec.layer_idx for l in layers
+                                  if l.spec.kv_cache_dtype == FULL_PRECISION],
         "bytes_per_token": bytes_per_token,
         "bf16_bytes_per_token": bf16_bytes,
         "capacity_vs_bf16": bf16_bytes / bytes_per_token if bytes_per_token else float("inf"),

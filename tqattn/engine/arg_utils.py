@@ -140,7 +140,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
               "default), or 'none'")
     flag("kv_cache_key_centering", action=argparse.BooleanOptionalAction,
          help="subtract each layer's mean key (from the start-up calibration) before compressing "
-              "keys (default: on, except for models that soft-cap attention logits)")
+              "keys: on every layer, or off (default: the layers whose calibration error it at least "
+              "halves; never on models that soft-cap attention logits)")
     flag("kv_cache_auto_skip_budget", type=non_negative_number,
          help="the most extra cache bytes 'auto' may spend on full-precision layers, as a share of "
               "the all-compressed cache (full precision counted at 16 bits)")

@@ -6,10 +6,23 @@ layer's post-RoPE queries and keys. Per layer it keeps:
 
 * ``key_offsets`` (Hk, D): the mean key of each KV head — what key centering subtracts
   (:mod:`tqattn.attention.key_centering`);
-* ``errors``: the attention KL (nats) of the last :data:`ERROR_QUERIES` queries of each pass,
-  exact keys vs keys through the preset's codec (centered when centering is on), which automatic
-  routing ranks layers by (:func:`tqattn.attention.selector.auto_full_precision_layers`);
-  ``errors_uncentered``: the same without centering, for the log.
+* ``errors_centered`` / ``errors_uncentered``: the attention KL (nats) of the last
+  :data:`ERROR_QUERIES` queries of each pass, exact keys vs keys through the preset's codec,
+  with and without centering, averaged over the two ways the engine reads its cache: every key
+  compressed (a decode) and the newest :data:`RAW_TAIL` keys raw (a prefill chunk over a
+  compressed history).
+
+Both reads matter. A constant offset costs a norm-and-direction codec its bits, and when raw
+and compressed keys meet in one softmax, the compressed keys' error on q·μ shifts the weight of
+the whole history (Qwen2.5-Coder: layer 8's history mass 0.20 → 0.55). But centering also moves
+where the codec's error falls — keys far from the mean, such as an attention sink's, get a
+larger one — and that error is the same for every query, so it adds up where random errors
+average out: on SmolLM2, centering every layer lowers the calibration error of 27 of 30 layers
+by 1.0–2.2× and still raises the model's KL to the uncompressed model by 20 %. So a layer is
+centered only where the calibration error drops at least :data:`CENTERING_MIN_GAIN`-fold
+(:meth:`Calibration.centered_layers`): where the offset dominates the layer's error (Qwen's layers
+0–4, 6, 8: 2.2–94×; one SmolLM2 layer), and automatic routing ranks layers by the error of the
+keys as they will be stored (:func:`tqattn.attention.selector.auto_full_precision_layers`).
 
 Positions. RoPE turns a constant pre-RoPE offset into one that rotates with the position, slowly
 in the low-frequency pairs, fast in the others, so the mean post-RoPE key depends on where the
@@ -17,8 +30,7 @@ keys sit. A mean over positions 0..N only fits keys near the start (measured on 
 keys at positions 6K+ worse than no centering). The passes therefore run the same text at
 :data:`CALIBRATION_PASSES` position offsets spread over the served length (``max_model_len``;
 attention is relative, so only RoPE's rotation differs between them), and the offset is their
-mean: the best constant for keys spread over the whole length. Fast-rotating parts average
-out and are left to the codec.
+mean: the best constant for keys spread over the whole length.
 
 Deterministic (fixed text, no sampling). The result is cached under the tqattn cache directory,
 keyed by a fingerprint of the weights (names, shapes, dtypes and a strided sample of values),
@@ -45,7 +57,9 @@ CALIBRATION_TOKENS = 512        # tokens of each pass (fewer if the text or the 
 CALIBRATION_PASSES = 4          # passes at positions spread over the served length
 DUMMY_TOKENS = 64               # random weights: the offsets mean nothing, keep the passes short
 ERROR_QUERIES = 64              # the last queries of a pass whose attention the error measures
-METHOD_VERSION = 1              # bump when what is computed changes: invalidates the cache
+RAW_TAIL = 128                  # the newest keys a prefill chunk reads raw, in the second read
+CENTERING_MIN_GAIN = 2.0        # center a layer where its calibration error drops this much
+METHOD_VERSION = 2              # bump when what is computed changes: invalidates the cache
 ATTN_NAME = "tqattn_calibrate"
 
 
@@ -53,25 +67,37 @@ ATTN_NAME = "tqattn_calibrate"
 class Calibration:
     preset: str
     key_offsets: torch.Tensor               # (L, Hk, D) float32, CPU
-    errors: list[float]                     # per layer, keys as the cache would store them
+    errors_centered: list[float]            # per layer, attention KL through the codec
     errors_uncentered: list[float]
-    centered: bool
     num_tokens: int                         # per pass
     positions: list[int]                    # each pass's first position
     seconds: float = 0.0
     cached: bool = False
 
-    def describe(self) -> str:
+    def centered_layers(self, mode: bool | None = None) -> list[int]:
+        """The layers whose keys are centered: where it lowers the error at least
+        :data:`CENTERING_MIN_GAIN`-fold (``mode`` None), every layer (True) or none (False)."""
+        if mode is False:
+            return []
+        return [i for i, (c, u) in enumerate(zip(self.errors_centered, self.errors_uncentered))
+                if mode or u >= CENTERING_MIN_GAIN * c]
+
+    def errors(self, centered_layers) -> list[float]:
+        """Each layer's error as the cache will hold its keys."""
+        on = set(centered_layers)
+        return [c if i in on else u
+                for i, (c, u) in enumerate(zip(self.errors_centered, self.errors_uncentered))]
+
+    def describe(self, centered_layers) -> str:
         how = "from the cache" if self.cached else f"{self.seconds:.1f} s"
-        worst = max(range(len(self.errors)), key=self.errors.__getitem__)
-        line = (f"calibration: {len(self.positions)} passes x {self.num_tokens} tokens (from "
-                f"positions {self.positions}), {how}; {self.preset} attention KL per layer"
-                f"{' with centered keys' if self.centered else ''}: median "
-                f"{median(self.errors):.3g} nats, max {self.errors[worst]:.3g} (layer {worst})")
-        if self.centered:
-            line += (f"; uncentered: median {median(self.errors_uncentered):.3g}, max "
-                     f"{max(self.errors_uncentered):.3g}")
-        return line
+        errs = self.errors(centered_layers)
+        worst = max(range(len(errs)), key=errs.__getitem__)
+        return (f"calibration: {len(self.positions)} passes x {self.num_tokens} tokens (from "
+                f"positions {self.positions}), {how}; keys centered on {len(centered_layers)} of "
+                f"{len(errs)} layers {centered_layers}; {self.preset} attention KL "
+                f"per layer: median {median(errs):.3g} nats, max {errs[worst]:.3g} (layer "
+                f"{worst}); without centering: median {median(self.errors_uncentered):.3g}, "
+                f"max {max(self.errors_uncentered):.3g}")
 
 
 def median(xs: list[float]) -> float:
@@ -103,12 +129,15 @@ def pass_positions(num_tokens: int, max_model_len: int,
 
 
 def attention_kl(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, scale: float,
-                 window: int | None = None, softcap: float = 0.0) -> float:
+                 window: int | None = None, softcap: float = 0.0,
+                 raw_tail: int = 0) -> float:
     """Mean KL(p || p̂) of the causal attention of the last queries of a sequence.
 
     q (Hq, n, D): the queries at positions T−n..T−1; k / k_hat (Hk, T, D): exact keys and keys
-    as the cache returns them."""
+    as the cache returns them; the newest ``raw_tail`` keys are read exact in p̂ too."""
     hk, t, d = k.shape
+    if raw_tail:
+        k_hat = torch.cat([k_hat[:, :t - raw_tail], k[:, t - raw_tail:]], 1)
     n = q.shape[1]
     qq = q.float().reshape(hk, q.shape[0] // hk, n, d)
     pos = torch.arange(t - n, t, device=k.device)[:, None]
@@ -176,8 +205,7 @@ def record_layers(model: torch.nn.Module, input_ids: list[int], on_layer,
 
 
 def run_calibration(model: torch.nn.Module, input_ids: list[int], preset: str, head_dim: int,
-                    num_layers: int, positions: list[int], *,
-                    centered: bool = True) -> Calibration:
+                    num_layers: int, positions: list[int]) -> Calibration:
     """The passes and the per-layer figures (no cache)."""
     from ..attention.turboquant import get_codec
 
@@ -200,6 +228,13 @@ def run_calibration(model: torch.nn.Module, input_ids: list[int], preset: str, h
     if missing:
         raise RuntimeError(f"the calibration pass saw no attention call for layers {missing}")
     offsets, err_c, err_u = [], [], []
+    tail = min(RAW_TAIL, len(input_ids) // 2)
+
+    def error(qs, ks, k_hats, args):   # both reads, every pass
+        e = [attention_kl(q, k, kh, *args, raw_tail=r) for q, k, kh in zip(qs, ks, k_hats)
+             for r in (0, tail)]
+        return sum(e) / len(e)
+
     with torch.inference_mode():
         for i in range(num_layers):
             k = torch.stack(keys.pop(i))                           # (P, Hk, T, D)
@@ -208,19 +243,16 @@ def run_calibration(model: torch.nn.Module, input_ids: list[int], preset: str, h
             both = through_codec(codec, torch.cat([k - mu, k])).view(2, *k.shape)
             both[0] += mu
             q = queries.pop(i)
-            err_c.append(sum(attention_kl(q[p], k[p], both[0, p], *layer_args[i])
-                             for p in range(len(q))) / len(q))
-            err_u.append(sum(attention_kl(q[p], k[p], both[1, p], *layer_args[i])
-                             for p in range(len(q))) / len(q))
+            err_c.append(error(q, k, both[0], layer_args[i]))
+            err_u.append(error(q, k, both[1], layer_args[i]))
             offsets.append(mu[0, :, 0].cpu())
     bad = [i for i, e in enumerate(err_c + err_u) if not e == e or e == float("inf")]
     if bad:
         raise RuntimeError(f"the calibration produced non-finite attention errors "
                            f"(layers {sorted({i % num_layers for i in bad})})")
-    return Calibration(preset=preset, key_offsets=torch.stack(offsets),
-                       errors=err_c if centered else err_u, errors_uncentered=err_u,
-                       centered=centered, num_tokens=len(input_ids), positions=list(positions),
-                       seconds=time.perf_counter() - t0)
+    return Calibration(preset=preset, key_offsets=torch.stack(offsets), errors_centered=err_c,
+                       errors_uncentered=err_u, num_tokens=len(input_ids),
+                       positions=list(positions), seconds=time.perf_counter() - t0)
 
 
 # ---- cache ------------------------------------------------------------------------------------
@@ -237,36 +269,34 @@ def weights_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
     return h.hexdigest()
 
 
-def cache_path(fingerprint: str, preset: str, centered: bool, input_ids: list[int],
-               positions: list[int]) -> Path:
-    raw = json.dumps([METHOD_VERSION, fingerprint, preset, centered, positions, ERROR_QUERIES,
+def cache_path(fingerprint: str, preset: str, input_ids: list[int], positions: list[int]) -> Path:
+    raw = json.dumps([METHOD_VERSION, fingerprint, preset, positions, ERROR_QUERIES, RAW_TAIL,
                       hashlib.sha256(json.dumps(input_ids).encode()).hexdigest()])
     return cache_root() / "calibration" / f"{hashlib.sha256(raw.encode()).hexdigest()[:24]}.pt"
 
 
 def calibrate(model: torch.nn.Module, tokenizer, *, preset: str, head_dim: int, num_layers: int,
-              vocab_size: int, max_model_len: int, centered: bool = True,
-              use_cache: bool = True) -> Calibration:
+              vocab_size: int, max_model_len: int, use_cache: bool = True) -> Calibration:
     """The calibration of ``model`` for ``preset``: from the cache, else from the passes (then
     cached). ``seconds`` is the whole call's time."""
     t0 = time.perf_counter()
     ids = calibration_token_ids(tokenizer, vocab_size)
     positions = pass_positions(len(ids), max_model_len)
-    path = cache_path(weights_fingerprint(model), preset, centered, ids, positions)
+    path = cache_path(weights_fingerprint(model), preset, ids, positions)
     if use_cache and path.is_file():
         try:
             d = torch.load(path, weights_only=True)
-            return Calibration(preset=preset, key_offsets=d["key_offsets"], errors=d["errors"],
-                               errors_uncentered=d["errors_uncentered"], centered=centered,
-                               num_tokens=len(ids), positions=positions,
-                               seconds=time.perf_counter() - t0, cached=True)
+            return Calibration(preset=preset, key_offsets=d["key_offsets"],
+                               errors_centered=d["errors_centered"],
+                               errors_uncentered=d["errors_uncentered"], num_tokens=len(ids),
+                               positions=positions, seconds=time.perf_counter() - t0, cached=True)
         except Exception as e:  # a truncated or foreign file: compute again and overwrite it
             logger.warning("ignoring an unreadable calibration cache file %s (%s)", path, e)
-    cal = run_calibration(model, ids, preset, head_dim, num_layers, positions, centered=centered)
+    cal = run_calibration(model, ids, preset, head_dim, num_layers, positions)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".partial")
-        torch.save({"key_offsets": cal.key_offsets, "errors": cal.errors,
+        torch.save({"key_offsets": cal.key_offsets, "errors_centered": cal.errors_centered,
                     "errors_uncentered": cal.errors_uncentered}, tmp)
         tmp.replace(path)
     cal.seconds = time.perf_counter() - t0
@@ -276,9 +306,10 @@ def calibrate(model: torch.nn.Module, tokenizer, *, preset: str, head_dim: int, 
 # ---- the engine's use of it ---------------------------------------------------------------------
 
 def resolve_key_centering(requested: bool | None, kv_cache_dtype: str, info, model_name: str
-                          ) -> bool:
-    """Whether the engine centers keys: ``requested`` (None: on for a TurboQuant cache, except
-    for a model that soft-caps attention logits, where it would not be exact — logged)."""
+                          ) -> bool | None:
+    """The centering mode: False (off), None (each layer where the calibration says it helps)
+    or True (every layer). A model that soft-caps its attention logits is refused with True
+    and left uncentered with None (logged): there centering is not exact."""
     from ..quant.presets import PRESETS
 
     if kv_cache_dtype not in PRESETS or requested is False:
@@ -294,28 +325,35 @@ def resolve_key_centering(requested: bool | None, kv_cache_dtype: str, info, mod
         logger.info("key centering off: model %s soft-caps its attention logits (cap %s), where "
                     "a constant key offset is not exact", model_name, cap)
         return False
-    return True
+    return requested
 
 
 @dataclass
 class KeyPlan:
     """What the calibration decided for a model and its cache settings."""
     calibration: Calibration | None     # None: the settings need none
-    centered: bool
+    centered_layers: list[int]          # layers whose keys are centered
     auto_layers: list[int] | None       # None: automatic routing not asked for
     routing: str | None = None          # the plan log's line on automatic routing
 
     @property
-    def key_offsets(self) -> torch.Tensor | None:
-        """(L, Hk, D) offsets the TurboQuant layers center by, or None."""
-        return self.calibration.key_offsets if self.centered else None
+    def key_offsets(self) -> list[torch.Tensor | None] | None:
+        """Per layer, the (Hk, D) offset its keys are centered by, or None; None when no layer
+        is centered."""
+        if not self.centered_layers:
+            return None
+        on = set(self.centered_layers)
+        return [mu if i in on else None for i, mu in enumerate(self.calibration.key_offsets)]
+
+    def describe(self) -> str | None:
+        return self.calibration.describe(self.centered_layers) if self.calibration else None
 
 
 def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_cache_dtype: str,
               skip_layers, boundary_layers: int | None, key_centering: bool | None,
               auto_skip_budget: float, max_model_len: int, use_cache: bool = True) -> KeyPlan:
     """Calibrate if the settings need it (a TurboQuant ``kv_cache_dtype`` with key centering or
-    ``"auto"`` routing), and choose the automatic layers."""
+    ``"auto"`` routing), choose the centered layers and the automatic ones."""
     from ..attention.selector import wants_auto_layers
     from ..quant.presets import PRESETS
 
@@ -323,23 +361,24 @@ def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_ca
     if (kv_cache_dtype not in PRESETS
             or PRESETS[kv_cache_dtype].head_dim_unsupported_reason(info.head_dim)):
         # a full-precision cache, or a preset the layer plan refuses (with the reason)
-        return KeyPlan(None, False, [] if auto else None)
-    centered = resolve_key_centering(key_centering, kv_cache_dtype, info, model_name)
-    if not (centered or auto):
-        return KeyPlan(None, False, None)
+        return KeyPlan(None, [], [] if auto else None)
+    mode = resolve_key_centering(key_centering, kv_cache_dtype, info, model_name)
+    if mode is False and not auto:
+        return KeyPlan(None, [], None)
     cal = calibrate(model, tokenizer, preset=kv_cache_dtype, head_dim=info.head_dim,
                     num_layers=info.num_layers, vocab_size=info.vocab_size,
-                    max_model_len=max_model_len, centered=centered, use_cache=use_cache)
-    logger.info("%s", cal.describe())
+                    max_model_len=max_model_len, use_cache=use_cache)
+    centered = cal.centered_layers(mode)
+    logger.info("%s", cal.describe(centered))
     if not auto:
         return KeyPlan(cal, centered, None)
-    layers, line = choose_auto_layers(cal, info, kv_cache_dtype, skip_layers, boundary_layers,
-                                      auto_skip_budget)
+    layers, line = choose_auto_layers(cal.errors(centered), info, kv_cache_dtype, skip_layers,
+                                      boundary_layers, auto_skip_budget)
     logger.info("%s", line)
     return KeyPlan(cal, centered, layers, line)
 
 
-def choose_auto_layers(cal: Calibration, info, kv_cache_dtype: str, skip_layers,
+def choose_auto_layers(errors: list[float], info, kv_cache_dtype: str, skip_layers,
                        boundary_layers: int | None, budget: float) -> tuple[list[int], str]:
     """(layers automatic routing keeps full precision, the log line). The layers other rules
     keep are not judged; extra bytes count full precision at 16 bits, so the choice is the
@@ -357,17 +396,18 @@ def choose_auto_layers(cal: Calibration, info, kv_cache_dtype: str, skip_layers,
     slot = build_layout(kv_cache_dtype, info.head_dim).slot_bytes
     extra = info.num_kv_heads * (2 * info.head_dim * 2 - slot)
     budget_bytes = budget * info.num_layers * info.num_kv_heads * slot
-    return auto_full_precision_layers(cal.errors, candidates, extra, budget_bytes)
+    return auto_full_precision_layers(errors, candidates, extra, budget_bytes)
 
 
 def apply_key_offsets(layers, plan: KeyPlan, device) -> int:
-    """Give every TurboQuant layer its key offset; returns how many layers got one."""
+    """Give every centered TurboQuant layer its key offset; returns how many got one."""
     offsets = plan.key_offsets
     if offsets is None:
         return 0
     n = 0
     for layer in layers:
-        if hasattr(layer.impl, "set_key_offset"):
-            layer.impl.set_key_offset(offsets[layer.spec.layer_idx], device)
+        mu = offsets[layer.spec.layer_idx]
+        if mu is not None and hasattr(layer.impl, "set_key_offset"):
+            layer.impl.set_key_offset(mu, device)
             n += 1
     return n

@@ -54,7 +54,7 @@ class EngineArgs:
     # "auto": the layers the start-up calibration finds the codec cannot hold (selector.py)
     kv_cache_dtype_skip_layers: list[int | str] = field(default_factory=lambda: [AUTO_SKIP])
     kv_cache_boundary_layers: int | None = None  # None: the selector's default
-    kv_cache_key_centering: bool | None = None  # None: on, except where it is not exact (soft-cap)
+    kv_cache_key_centering: bool | None = None  # None: the layers the calibration says need it
     kv_cache_auto_skip_budget: float = DEFAULT_AUTO_SKIP_BUDGET  # of the all-compressed bytes
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
@@ -235,9 +235,8 @@ class LLMEngine:
         self._last_done = 0.0  # perf_counter when the last step's tokens reached the host
         self._last_ended = None  # the last recorded step's end event (device timing)
         self.plan = describe_plan(self.layers, args.block_size)
-        cal = self.key_plan.calibration
-        self.plan.update(key_centering=self.key_plan.centered, auto_routing=self.key_plan.routing,
-                         calibration=cal.describe() if cal else None)
+        self.plan.update(centered_layers=self.key_plan.centered_layers,
+                         auto_routing=self.key_plan.routing, calibration=self.key_plan.describe())
         self.plan.update(num_blocks=num_blocks, block_size=args.block_size,
                          cache_tokens=self.kv_cache_config.num_tokens,
                          cache_bytes=self.kv_cache_config.total_bytes,
@@ -556,8 +555,7 @@ def format_plan(plan: dict) -> str:
     for g in plan["groups"]:
         lines.append(f"  group {g['group']}: {g['backend']} {g['kv_cache_dtype']} layers {g['layers']}")
     if plan.get("calibration"):
-        lines.append(f"  keys centered: {'yes' if plan.get('key_centering') else 'no'}; "
-                     f"{plan['calibration']}")
+        lines.append(f"  {plan['calibration']}")
     if plan.get("auto_routing"):
         lines.append(f"  {plan['auto_routing']}")
     lines.append(f"  {plan['bytes_per_token']:.1f} bytes/token (bf16: {plan['bf16_bytes_per_token']}), "

@@ -299,15 +299,16 @@ class TurboQuantCache(Cache):
             (the engine's ``kv_cache_dtype_skip_layers``).
         boundary_layers: the first and last N layers full precision (the engine's
             ``kv_cache_boundary_layers``; default as the engine's).
-        key_offsets: (num_layers, num_kv_heads, head_dim) mean keys that compressed layers
-            center by (None: no centering); :meth:`calibrated` measures them.
+        key_offsets: per layer, the (num_kv_heads, head_dim) mean key a compressed layer centers
+            by, or None (a (num_layers, num_kv_heads, head_dim) tensor centers every layer);
+            None: no centering. :meth:`calibrated` measures them.
         auto_layers: the layers ``"auto"`` in ``skip_layers`` stands for (:meth:`calibrated`).
     """
 
     def __init__(self, config, preset: str = "tq_k4v3", *,
                  residual_length: int = DEFAULT_RESIDUAL_LENGTH,
                  skip_layers: Iterable[int | str] = (), boundary_layers: int | None = None,
-                 key_offsets: torch.Tensor | None = None,
+                 key_offsets: torch.Tensor | list[torch.Tensor | None] | None = None,
                  auto_layers: Iterable[int] | None = None):
         config = getattr(config, "config", config)   # a model is accepted too
         if not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
@@ -331,10 +332,14 @@ class TurboQuantCache(Cache):
             raise ValueError("TurboQuantCache: skip_layers 'auto' needs the model's calibration; "
                              "use TurboQuantCache.calibrated(model, tokenizer, preset), or list "
                              "the layers")
-        shape = (info.num_layers, info.num_kv_heads, info.head_dim)
-        if key_offsets is not None and tuple(key_offsets.shape) != shape:
-            raise ValueError(f"TurboQuantCache: key_offsets of shape {tuple(key_offsets.shape)}; "
-                             f"expected (num_layers, num_kv_heads, head_dim) = {shape}")
+        shape = (info.num_kv_heads, info.head_dim)
+        if key_offsets is not None:
+            if len(key_offsets) != info.num_layers or any(
+                    mu is not None and tuple(mu.shape) != shape for mu in key_offsets):
+                got = [None if mu is None else tuple(mu.shape) for mu in key_offsets]
+                raise ValueError(f"TurboQuantCache: key_offsets {got}; expected one (num_kv_heads, "
+                                 f"head_dim) = {shape} tensor or None per layer, "
+                                 f"{info.num_layers} layers")
         self.preset = preset
         self.residual_length = residual_length
         self.layer_kv_cache_dtypes = resolve_kv_cache_dtypes(

@@ -8,7 +8,10 @@ run, so the parts (load, compile, warm-up, graph capture) are the whole start-up
     python3 bench/startup.py --model Qwen3-4B --kv-cache-dtypes auto,turboquant_k3v4_nc \\
         --out $OUT/startup.json
 
-Issue 24's bound for Qwen3-4B: <= 120 s with empty caches, <= 45 s with warm ones.
+Issue 24's bound for Qwen3-4B: <= 120 s with empty caches, <= 45 s with warm ones. Each run also
+says how the warm-up got its Triton builds (from the disk cache / compiled) and what the kernel
+precompile did (tqattn/engine/precompile.py, opt-in: ``--precompile on`` sets TQATTN_PRECOMPILE=1
+in the child's environment, ``off`` sets 0).
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ llm = LLM(**json.loads(sys.argv[1]))
 e = llm.llm_engine
 print("STARTUP " + json.dumps({"startup_times": e.startup_times, "wall_s": time.perf_counter() - t,
                                "compile_model": e.runner.compile_model,
-                               "graphs": sorted(e.runner.graphs)}))
+                               "graphs": sorted(e.runner.graphs),
+                               "builds": e.startup_builds}))
 """
 
 
-def start_once(kwargs: dict, cache_dir: str) -> dict:
+def start_once(kwargs: dict, cache_dir: str, precompile: str = "on") -> dict:
     env = dict(os.environ, TQATTN_CACHE_DIR=cache_dir)
+    env["TQATTN_PRECOMPILE"] = "1" if precompile == "on" else "0"
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # follow TQATTN_CACHE_DIR
         env.pop(var, None)
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(kwargs)], env=env,
@@ -49,6 +54,19 @@ def start_once(kwargs: dict, cache_dir: str) -> dict:
     return json.loads(lines[-1][len("STARTUP "):])
 
 
+def describe_builds(builds: dict) -> str:
+    """The warm-up's Triton builds (loaded from the disk cache / compiled) and the precompile's."""
+    w, p = builds.get("warmup"), builds.get("precompile")
+    text = (f"warm-up: {w['triton_loaded']} Triton builds from the disk cache, "
+            f"{w['triton_compiled']} compiled, {w['dynamo']} Dynamo compiles" if w else "no warm-up")
+    if "precompile" in builds:
+        text += ("; precompile failed (see the log)" if p is None else
+                 f"; precompile: {p['compiled']} of {p['submitted']} new builds by {p['workers']} "
+                 f"workers in {p['total_s']:.1f} s, {p['cached']} already cached, "
+                 f"{len(p['failed']) + len(p['unbuilt'])} not precompiled")
+    return text
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="Qwen3-4B")
@@ -57,24 +75,30 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--device", default=None)
+    p.add_argument("--precompile", default="on",
+                   help="on, off or on,off: with the kernel precompile, without, or both in turn")
     p.add_argument("--out", default="startup.json")
     args = p.parse_args()
     import torch
 
     env = environment() if torch.cuda.is_available() else {"device": "cpu", "torch": torch.__version__}
     result = {"env": env, "args": vars(args), "runs": {}}
-    for dtype in args.kv_cache_dtypes.split(","):
+    settings = args.precompile.split(",")
+    for dtype, pre in [(d, s) for d in args.kv_cache_dtypes.split(",") for s in settings]:
         kwargs = dict(model=args.model, load_format="dummy", kv_cache_dtype=dtype,
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       enable_prefix_caching=False, device=args.device)
         with tempfile.TemporaryDirectory(prefix="tqattn-startup-") as cache_dir:
-            runs = {"empty": start_once(kwargs, cache_dir), "warm": start_once(kwargs, cache_dir)}
-        result["runs"][dtype] = runs
+            runs = {"empty": start_once(kwargs, cache_dir, pre),
+                    "warm": start_once(kwargs, cache_dir, pre)}
+        name = dtype if settings == ["on"] else f"{dtype} precompile {pre}"
+        result["runs"][name] = runs
         for state, r in runs.items():
             parts = ", ".join(f"{k} {v:.1f}" for k, v in r["startup_times"].items())
-            print(f"{dtype:20s} {state:5s} caches: {parts} s (process wall {r['wall_s']:.1f} s)",
+            print(f"{name:20s} {state:5s} caches: {parts} s (process wall {r['wall_s']:.1f} s)",
                   flush=True)
+            print(f"{'':26s} {describe_builds(r.get('builds', {}))}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

@@ -168,3 +168,17 @@ def test_cache_dirs(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", "/mine")
     assert compilation.use_cache_dirs() == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
                                             "TRITON_CACHE_DIR": "/mine"}
+
+
+def test_builds_since_tells_disk_cache_loads_from_compiles():
+    listener = compilation._on_triton_compile(None)
+
+    def k():
+        pass
+    k.__module__ = "m"
+    src = type("Src", (), {"fn": k})()
+    before = compilation.mark()
+    for hit in (True, True, False):
+        listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=hit)
+    assert compilation.builds_since(before) == {"dynamo": 0, "triton_loaded": 2,
+                                                "triton_compiled": 1}

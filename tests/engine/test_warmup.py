@@ -84,3 +84,27 @@ def test_store_token_counts_reach_every_store_build(preset, hk):
     builds = {store._launch_variant(spec, n * hk, "cpu") for n in range(1, 2049)}
     assert len(builds) > 1 and len(counts) == len(builds)
     assert {store._launch_variant(spec, n * hk, "cpu") for n in counts} == builds
+
+
+def test_backend_token_counts_asks_once_per_backend_and_settings():
+    import torch
+
+    from tqattn.attention.backend import AttentionLayerSpec
+    from tqattn.engine.warmup import backend_token_counts
+
+    asked = []
+
+    class Backend:
+        @staticmethod
+        def warmup_token_counts(spec, block_size, device, max_tokens):
+            asked.append(spec.layer_idx)
+            return [spec.num_kv_heads, max_tokens]
+
+    class Layer:
+        def __init__(self, i, hk):
+            self.backend = Backend
+            self.spec = AttentionLayerSpec(i, 8, hk, 128, 0.1, torch.bfloat16, "tq_k4v3")
+
+    layers = [Layer(0, 2), Layer(1, 2), Layer(2, 4), Layer(3, 2)]
+    assert backend_token_counts(layers, 16, "cpu", 64) == [2, 4, 64]
+    assert len(asked) == 2   # layers 0, 1 and 3 share their settings

@@ -48,9 +48,11 @@ def test_models_health_metrics(tiny_server, client):
     samples = {line.split("{")[0]: line for line in text.splitlines() if line and not line.startswith("#")}
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "num_preemptions_total", "time_to_first_token_seconds_bucket",
-                 "time_per_output_token_seconds_count"):
+                 "time_per_output_token_seconds_count", "engine_step_seconds_count",
+                 "engine_cudagraph_steps_total", "compilations_after_startup"):
         assert f"tqattn:{name}" in samples, name
     assert float(samples["tqattn:generation_tokens_total"].split()[-1]) >= 3
+    assert float(samples["tqattn:engine_step_seconds_count"].split()[-1]) >= 3  # prefill + 2 decodes
     assert "# TYPE tqattn:time_to_first_token_seconds histogram" in text
 
 

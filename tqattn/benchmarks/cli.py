@@ -66,41 +66,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
-    import asyncio
-
-    from .serve import format_table, run_load, start_server
+    from .serve import run_bench
 
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
-    command = "tqattn " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    server_args = shlex.split(args.server_args)
-    runs = []
-    for dtype in ([None] if args.url else args.kv_cache_dtypes):
-        proc, url, log = (None, args.url, "") if args.url else start_server(server_args, dtype)
-        try:
-            if args.warmup_prompts:
-                asyncio.run(run_load(url, args.served_model, args.warmup_prompts, args.input_len, 4, seed=-1))
-            m = asyncio.run(run_load(url, args.served_model, args.num_prompts, args.input_len, args.output_len,
-                                     args.request_rate, args.max_concurrency, args.seed))
-        finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(60)
-        runs.append({"kv_cache_dtype": dtype, "url": url, "server_log": log, "metrics": m})
-        print(format_table(runs[-1:]), flush=True)
-    from tqattn.attention.env_report import collect_env
-
-    from .report import provenance
-
-    result = {"command": command, "server_args": server_args, "runs": runs, "env": collect_env()}
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.tag}.json").write_text(json.dumps(result, indent=1))
-    (out / f"{args.tag}.md").write_text("\n".join(
-        [f"# {args.tag}", "", *provenance(result["env"], command), "", "```", format_table(runs), "```", ""]))
-    print(format_table(runs))
-    print(f"wrote {out / args.tag}.json, .md")
-    return 0
+    return run_bench(args, "tqattn " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

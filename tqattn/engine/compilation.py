@@ -71,7 +71,8 @@ def graph_breaks() -> dict[str, int]:
 
 _lock = threading.Lock()
 _dynamo: list[str] = []   # compile ids, in order
-_triton: list[tuple[str, dict]] = []   # (kernel name, its specialization), in order
+_triton: list[tuple[str, dict, bool]] = []   # (kernel name, its specialization, from the disk
+                                             # cache), in order
 _warned: set[str] = set()
 
 
@@ -87,7 +88,7 @@ def _on_triton_compile(prev):
         fn = getattr(src, "fn", None)
         name = f"{fn.__module__}.{fn.__name__}" if fn is not None else str(getattr(src, "name", src))
         with _lock:
-            _triton.append((name, _specialization(src)))
+            _triton.append((name, _specialization(src), bool(cache_hit)))
         if prev is not None:
             prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                  cache_hit=cache_hit)
@@ -171,11 +172,20 @@ def since(start: tuple[int, int]) -> dict:
     with _lock:
         dynamo, before, triton = _dynamo[start[0]:], _triton[:start[1]], _triton[start[1]:]
     kernels = []
-    for i, (name, spec) in enumerate(triton):
-        earlier = [s for n, s in before + triton[:i] if n == name]
+    for i, (name, spec, _) in enumerate(triton):
+        earlier = [s for n, s, _ in before + triton[:i] if n == name]
         kernels.append(f"{name} ({_differs(spec, earlier)})")
     return {"dynamo": len(dynamo), "triton": len(triton), "total": len(dynamo) + len(triton),
             "dynamo_frames": _frame_names(dynamo), "triton_kernels": kernels}
+
+
+def builds_since(start: tuple[int, int]) -> dict[str, int]:
+    """Counts after ``start``: Dynamo frame compiles, Triton/Gluon builds loaded from Triton's
+    disk cache and builds compiled."""
+    with _lock:
+        hits = [hit for _, _, hit in _triton[start[1]:]]
+        dynamo = len(_dynamo) - start[0]
+    return {"dynamo": dynamo, "triton_loaded": sum(hits), "triton_compiled": len(hits) - sum(hits)}
 
 
 def warn_new(start: tuple[int, int], seen: tuple[int, int]) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from tqattn.attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, FULL
 from tqattn.models import load_model
 from tqattn.quant.presets import PRESETS
 
-from . import calibration, compilation
+from . import calibration, compilation, precompile
 from .block_manager import BlockManager
 from .config import SchedulerConfig
 from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks, kv_cache_groups
@@ -37,7 +38,7 @@ from .sampled import PLACEHOLDER, SampledTokens
 from .sampling import SamplingParams, make_generator
 from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import Sequence, SequenceStatus
-from .warmup import run_warmup, warmup_steps
+from .warmup import backend_token_counts, run_warmup, warmup_steps
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,11 @@ class LLMEngine:
             compilation.use_cache_dirs()
         compilation.install()
         t0 = lap = time.perf_counter()
+        precompiler = precompile.start(self.device, args.enforce_eager)  # its workers start now
         self.startup_times: dict[str, float] = {}
+        # what the warm-up compiled (compilation.builds_since) and the precompile's summary
+        # (None: it failed), where they ran
+        self.startup_builds: dict[str, dict | None] = {}
 
         def done(part: str) -> None:
             nonlocal lap
@@ -216,11 +221,23 @@ class LLMEngine:
         runner.allocate_kv_cache(num_blocks)
         done("kv_cache")
         if compile_model or cuda:  # the first use of each kernel variant compiles it
-            extra = sorted({n for layer in self.layers for n in layer.backend.warmup_token_counts(
-                layer.spec, args.block_size, self.device, args.max_num_batched_tokens)})
-            run_warmup(runner, warmup_steps(args.max_num_seqs, args.max_num_batched_tokens,
-                                            loaded.max_model_len, args.block_size, extra))
+            extra = backend_token_counts(self.layers, args.block_size, self.device,
+                                         args.max_num_batched_tokens)
+            steps = warmup_steps(args.max_num_seqs, args.max_num_batched_tokens,
+                                 loaded.max_model_len, args.block_size, extra)
+            if precompiler is not None:  # the builds compiled in parallel, into the disk cache
+                self.startup_builds["precompile"] = precompiler.run(
+                    [partial(run_warmup, runner, [step]) for step in steps])
+                done("precompile")
+            before = compilation.mark()
+            run_warmup(runner, steps)
+            builds = self.startup_builds["warmup"] = compilation.builds_since(before)
+            logger.info("warm-up: %d Triton kernel builds loaded from the disk cache, %d compiled; "
+                        "%d Dynamo compiles", builds["triton_loaded"], builds["triton_compiled"],
+                        builds["dynamo"])
         done("warmup")
+        if precompiler is not None:
+            precompiler.close()
         if cuda and not args.enforce_eager:
             runner.capture_cudagraphs(args.max_num_seqs, loaded.max_model_len)
         done("cudagraph_capture")
@@ -351,13 +368,22 @@ class LLMEngine:
     def request_progress(self, request_id: Hashable) -> tuple[list[int], str] | None:
         """A running request's output so far: (token ids, decoded text), or None if it is not
         running. With async scheduling the token of the step in flight is not included."""
+        ids = self.request_token_ids(request_id)
+        if ids is None:
+            return None
+        return ids, self._decode_ids(ids, self.requests[request_id].params)
+
+    def request_token_ids(self, request_id: Hashable, start: int = 0) -> list[int] | None:
+        """A running request's output token ids from index ``start`` on (as request_progress's),
+        or None if it is not running; costs only the new ids."""
         req = self.requests.get(request_id)
         if req is None:
             return None
-        ids = req.seq.output_token_ids
+        seq = req.seq
+        ids = seq.token_ids[seq.num_prompt_tokens + start:]
         if ids and ids[-1] == PLACEHOLDER:
-            ids = ids[:-1]
-        return ids, self._decode_ids(ids, req.params)
+            ids.pop()
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None

@@ -24,6 +24,8 @@ max_num_batched_tokens, max_num_seqs and max_model_len; the dummy sequences
 
 from __future__ import annotations
 
+import dataclasses
+
 from tqattn.attention.turboquant import CONTINUATION_DEQUANT_THRESHOLD
 
 Chunk = tuple[int, int]  # (num_computed_tokens, num_scheduled_tokens)
@@ -72,6 +74,15 @@ def _fit(step: list[Chunk], max_num_seqs: int, budget: int, max_len: int) -> lis
             out.append((computed, n))
             used += n
     return out
+
+
+def backend_token_counts(layers, block_size: int, device, max_tokens: int) -> list[int]:
+    """The step sizes the layers' backends ask the warm-up to run (``warmup_token_counts``), asked
+    once per backend and layer settings: the answer does not depend on the layer's index, and a
+    TurboQuant answer scans every token count up to ``max_tokens``."""
+    kinds = {(layer.backend, dataclasses.replace(layer.spec, layer_idx=0)) for layer in layers}
+    return sorted({n for backend, spec in kinds
+                   for n in backend.warmup_token_counts(spec, block_size, device, max_tokens)})
 
 
 def run_warmup(runner, steps: list[list[Chunk]]) -> None:

@@ -16,6 +16,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                0.2, 0.3, 0.5, 1.0, 2.5, 10.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                40.0, 50.0, 60.0, 120.0)
 
@@ -52,6 +54,8 @@ class ServerMetrics:
         self.num_rejected = 0  # 503: the waiting queue was full
         self.num_preemptions = 0
         self.last_step_time = 0.0
+        self.num_cudagraph_steps = 0  # steps that replayed a captured decode graph
+        self.step_time = Histogram(STEP_BUCKETS)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -73,7 +77,13 @@ class ServerMetrics:
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
 
-    def render(self, model_name: str, num_running: int, num_waiting: int, kv_cache_usage: float) -> str:
+    def observe_step(self, seconds: float, cudagraph: bool) -> None:
+        """One call of the engine's step (with async scheduling it also waits for the step before)."""
+        self.step_time.observe(seconds)
+        self.num_cudagraph_steps += cudagraph
+
+    def render(self, model_name: str, num_running: int, num_waiting: int, kv_cache_usage: float,
+               compilations: int | None = None) -> str:
         lab = f'model_name="{_escape(model_name)}"'
         lines: list[str] = []
 
@@ -100,7 +110,13 @@ class ServerMetrics:
         one("request_aborted_total", "counter", "Requests aborted (client gone, timeout).", self.num_aborted)
         one("request_rejected_total", "counter", "Requests refused with 503 (waiting queue full).",
             self.num_rejected)
-        for name, h, help_ in (("time_to_first_token_seconds", self.ttft, "Time to first token."),
+        one("engine_cudagraph_steps_total", "counter", "Engine steps that replayed a decode CUDA graph.",
+            self.num_cudagraph_steps)
+        if compilations is not None:
+            one("compilations_after_startup", "gauge", "Dynamo frames and Triton kernels compiled after "
+                "start-up (each one stalled a step).", compilations)
+        for name, h, help_ in (("engine_step_seconds", self.step_time, "Engine step calls (count: steps)."),
+                               ("time_to_first_token_seconds", self.ttft, "Time to first token."),
                                ("time_per_output_token_seconds", self.tpot,
                                 "Time per output token after the first."),
                                ("e2e_request_latency_seconds", self.e2e, "Arrival to finish.")):

@@ -40,8 +40,28 @@ class _EngineStreamingResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+_DONE = b"data: [DONE]\n\n"
+_MARK = "\x00text\x00"  # where a chunk template's text goes
+_encode_str = json.JSONEncoder(ensure_ascii=False).encode
+
+
+class _Chunks:
+    """One stream's server-sent events as bytes. A token's chunk differs from the next only in
+    its text, so it is a template, encoded once, with the text put in (the hot path: one chunk
+    per request per engine step)."""
+
+    def __init__(self, make, template: dict, first: dict | None = None):
+        self.make = make  # (text, finish_reason, final=False, use=None) -> the chunk as a dict
+        self._head, self._tail = self.event(template).split(_encode_str(_MARK).encode())
+        self._empty = self.event(make("", None))  # a step's tokens whose text is held back
+        self.first = None if first is None else self.event(first)
+
+    def text(self, text: str) -> bytes:
+        return self._head + _encode_str(text).encode() + self._tail if text else self._empty
+
+    @staticmethod
+    def event(obj) -> bytes:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
 def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | None = None) -> FastAPI:
@@ -82,7 +102,7 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
     @app.get("/metrics")
     async def metrics():
         text = engine.metrics.render(model_name, engine.num_running, engine.num_waiting,
-                                     engine.kv_cache_usage)
+                                     engine.kv_cache_usage, llm_engine.compilation_counts()["total"])
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def check_model(req) -> None:
@@ -170,49 +190,43 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
             gone.cancel()
             stream.abort()
 
-    async def _timed(stream: RequestStream):
-        """The stream's pieces, ending with TimeoutError past request_timeout."""
-        deadline = None if request_timeout is None else time.monotonic() + request_timeout
-        while True:
-            try:
-                if deadline is None:
-                    piece = await anext(stream)
-                else:
-                    piece = await asyncio.wait_for(anext(stream), max(deadline - time.monotonic(), 0))
-            except StopAsyncIteration:
-                return
-            yield piece
-
-    async def _stream_events(stream: RequestStream, make_chunk, include_usage: bool, first=None):
+    async def _stream_events(stream: RequestStream, chunks: _Chunks, include_usage: bool):
+        """The stream's server-sent events, as bytes: a chunk per piece with text or (while the
+        request runs) tokens — clients see every step's progress, even text held back or a
+        model without a tokenizer —, the finish chunk, the usage chunk, [DONE]."""
+        timer = (None if request_timeout is None else
+                 stream.loop.call_later(request_timeout, stream.put, asyncio.TimeoutError()))
         try:
-            if first is not None:
-                yield _sse(make_chunk(first, None))
-            async for piece in _timed(stream):
-                # a chunk per step with new tokens, even if their text is held back (or the
-                # model has no tokenizer): clients see every step's progress
+            if chunks.first is not None:
+                yield chunks.first
+            async for piece in stream:
                 if piece.text or (piece.token_ids and not piece.finished):
-                    yield _sse(make_chunk(piece.text, None))
+                    yield chunks.text(piece.text)
                 if piece.finished:
                     out = piece.output
-                    yield _sse(make_chunk("", piece.finish_reason, final=True))
+                    yield chunks.event(chunks.make("", piece.finish_reason, final=True))
                     if include_usage:
-                        yield _sse(make_chunk(None, None, use=usage(len(out.prompt_token_ids),
-                                                                    len(out.outputs[0].token_ids))))
+                        yield chunks.event(chunks.make(None, None, use=usage(
+                            len(out.prompt_token_ids), len(out.outputs[0].token_ids))))
         except (asyncio.TimeoutError, EngineError) as e:
             stream.abort()
             if isinstance(e, EngineError):
-                yield _sse(error_body(str(e), "internal_error"))
+                yield chunks.event(error_body(str(e), "internal_error"))
             else:
-                yield _sse(error_body(f"the request ran past the server's request timeout of "
-                                      f"{request_timeout} s and was aborted", "timeout_error", None, "timeout"))
-        yield "data: [DONE]\n\n"
+                yield chunks.event(error_body(f"the request ran past the server's request timeout of "
+                                              f"{request_timeout} s and was aborted", "timeout_error", None,
+                                              "timeout"))
+        finally:
+            if timer is not None:
+                timer.cancel()
+        yield _DONE
 
     def _stream_completion(stream, rid, include_usage):
         created = int(time.time())
 
         def make(text, finish_reason, final=False, use=None):
             return completion_chunk(rid, model_name, created, text, finish_reason, use)
-        return _stream_events(stream, make, include_usage)
+        return _stream_events(stream, _Chunks(make, make(_MARK, None)), include_usage)
 
     def _stream_chat(stream, rid, include_usage):
         created = int(time.time())
@@ -223,22 +237,11 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
             delta = {} if final else {"content": text} if text or finish_reason else {}
             return chat_chunk(rid, model_name, created, delta, finish_reason)
 
-        return _stream_events(stream, _first_role(make), include_usage, first="")
+        # the first chunk carries the assistant role (OpenAI's shape)
+        first = chat_chunk(rid, model_name, created, {"role": "assistant", "content": ""}, None)
+        return _stream_events(stream, _Chunks(make, make(_MARK, None), first), include_usage)
 
     return app
-
-
-def _first_role(make):
-    """The first chunk of a chat stream carries the assistant role (OpenAI's shape)."""
-    state = {"first": True}
-
-    def wrapped(text, finish_reason, final=False, use=None):
-        chunk = make(text, finish_reason, final, use)
-        if state["first"] and chunk["choices"]:
-            chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            state["first"] = False
-        return chunk
-    return wrapped
 
 
 async def _disconnected(request: Request) -> None:

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 
-from ..engine.llm_engine import LLMEngine, format_plan
+from ..engine.llm_engine import LLMEngine, format_plan, format_startup
 from .async_engine import AsyncEngine
 from .routes import build_app
 
@@ -86,5 +86,6 @@ class Server:
 
 def startup_message(server: Server) -> str:
     engine = server.async_engine.engine
-    return (f"{format_plan(engine.plan)}\nserving {server.model_name!r} (max_model_len "
+    startup = format_startup(engine.startup_times, engine.runner.compile_model, bool(engine.runner.graphs))
+    return (f"{format_plan(engine.plan)}\nstart-up {startup}\nserving {server.model_name!r} (max_model_len "
             f"{engine.scheduler.config.max_model_len}) at {server.url}/v1")

@@ -149,9 +149,10 @@ def variant_keys(model: dict, presets: list[str]) -> dict[str, tuple[str, str | 
     return keys
 
 
-def _routing_factory(model: dict, keys: dict, factory, routing: dict):
+def _routing_factory(model: dict, keys: dict, factory, routing: dict, centered: dict):
     """A factory of row keys: the preset with its variant's engine arguments; records each
-    engine's full-precision layers in ``routing`` (automatic routing decides them at start-up).
+    engine's full-precision layers in ``routing`` and its key-centered layers in ``centered``
+    (the start-up calibration decides both).
     A given ``factory`` (tests) gets the variant's engine arguments as keywords."""
     variants = model.get("variants") or {}
 
@@ -167,6 +168,8 @@ def _routing_factory(model: dict, keys: dict, factory, routing: dict):
         plan = getattr(llm, "kv_cache_plan", None)
         if isinstance(plan, dict) and "full_precision_layers" in plan:
             routing[key] = list(plan["full_precision_layers"])
+        if isinstance(plan, dict) and "centered_layers" in plan:
+            centered[key] = list(plan["centered_layers"])
         return llm
     return make
 
@@ -175,9 +178,11 @@ def run_model(model: dict, presets: list[str], *, factory=None, skip=()) -> dict
     name = model.get("name") or model["model"]
     keys = variant_keys(model, presets)
     routing: dict[str, list[int]] = {}
-    make = _routing_factory(model, keys, factory, routing)
+    centered: dict[str, list[int]] = {}
+    make = _routing_factory(model, keys, factory, routing, centered)
     res: dict = {"name": name, "model": model["model"], "engine_args": model.get("engine_args", {}),
-                 "variants": model.get("variants") or {}, "rows": keys, "routing": routing}
+                 "variants": model.get("variants") or {}, "rows": keys, "routing": routing,
+                 "centered": centered}
     t0 = time.perf_counter()
     if model.get("ppl") and "ppl" not in skip:
         res["ppl"] = ppl.run_ppl(make, list(keys), [ppl.PPLSpec(**s) for s in model["ppl"]])
@@ -206,6 +211,8 @@ def table_rows(model_res: dict, presets: list[str], info: Any, engine_args: dict
                                    auto_layers=[] if preset == "auto" else None)
         row = {"model": model_res["name"], "preset": p, "kv_cache_dtype": preset, "variant": v,
                "full_precision_layers": b["full_precision_layers"] if preset != "auto" else None,
+               # None: not reported (the auto cache, or an engine from before key centering)
+               "centered_layers": (model_res.get("centered") or {}).get(p),
                "bytes_per_token": b["bytes_per_token"],
                "bits_per_element": round(b["bits_per_element"], 3),
                "compression": round(b["compression_vs_bf16"], 3)}
@@ -290,15 +297,17 @@ def markdown(report: dict) -> str:
              f"reference: `auto` cache; figures pooled over all perplexity specs of a model; "
              f"[95 % bootstrap interval]. Bytes/token: whole model, K+V, all layers "
              f"(full-precision layers as bf16).", ""]
-    head = ("| model | preset | full-precision layers | bytes/token | bits/elem | compression | "
-            "PPL Δ % | KL (nats) | top-1 agree | NIAH | GSM |")
-    lines += [head, "|" + "---|" * 11]
+    head = ("| model | preset | full-precision layers | centered layers | bytes/token | bits/elem | "
+            "compression | PPL Δ % | KL (nats) | top-1 agree | NIAH | GSM |")
+    lines += [head, "|" + "---|" * 12]
     for r in report["rows"]:
         gsm = f"{r['gsm']:.3f}" if r.get("gsm") is not None else "–"
         nh = f"{r['niah']:.2f}" if r.get("niah") is not None else "–"
         fp = r.get("full_precision_layers")
         fp = "all" if fp is None else ", ".join(map(str, fp)) or "none"
-        lines.append(f"| {r['model']} | {r['preset']} | {fp} | {r['bytes_per_token']} | "
+        cl = r.get("centered_layers")
+        cl = "–" if cl is None else ", ".join(map(str, cl)) or "none"
+        lines.append(f"| {r['model']} | {r['preset']} | {fp} | {cl} | {r['bytes_per_token']} | "
                      f"{r['bits_per_element']:.2f} | {r['compression']:.2f}× | "
                      f"{_ci(r.get('ppl_delta_pct'), '{:+.2f}')} | {_ci(r.get('kl'), '{:.4f}')} | "
                      f"{_ci(r.get('top1'), '{:.4f}')} | {nh} | {gsm} |")

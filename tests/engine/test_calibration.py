@@ -112,6 +112,11 @@ def test_automatic_routing_keeps_the_outlier_layer_full_precision(tmp_path):
         ["TURBOQUANT", "FLASH_ATTN", "TURBOQUANT", "TURBOQUANT"]
     assert "automatic routing keeps 1 layer(s) full precision: layer 1" in engine.key_plan.routing
     assert engine.plan["full_precision_layers"] == [1]
+    # a full-precision layer stores its keys as they are: never named centered
+    engine = LLM(path, **kw, kv_cache_auto_skip_budget=1.0, kv_cache_key_centering=True).llm_engine
+    assert engine.key_plan.auto_layers == [1] and engine.key_plan.centered_layers == [0, 2, 3]
+    assert "keys centered on 3 of 4 layers [0, 2, 3]" in engine.key_plan.describe()
+    assert "(full-precision layers [1] not counted)" in engine.key_plan.describe()
     # the default budget (20 % more bytes than all compressed) cannot pay for half the model
     engine = LLM(path, **kw).llm_engine
     assert engine.key_plan.auto_layers == []

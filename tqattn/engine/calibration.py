@@ -43,7 +43,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -88,14 +88,18 @@ class Calibration:
         return [c if i in on else u
                 for i, (c, u) in enumerate(zip(self.errors_centered, self.errors_uncentered))]
 
-    def describe(self, centered_layers) -> str:
+    def describe(self, centered_layers, full_precision=()) -> str:
+        """The plan log's line; the per-layer figures are those of the compressed layers."""
         how = "from the cache" if self.cached else f"{self.seconds:.1f} s"
-        errs = self.errors(centered_layers)
-        worst = max(range(len(errs)), key=errs.__getitem__)
+        all_errs = self.errors(centered_layers)
+        kept = [i for i in range(len(all_errs)) if i not in set(full_precision)] or [0]
+        errs = [all_errs[i] for i in kept]
+        worst = kept[max(range(len(errs)), key=errs.__getitem__)]
+        fp = f" (full-precision layers {sorted(full_precision)} not counted)" if full_precision else ""
         return (f"calibration: {len(self.positions)} passes x {self.num_tokens} tokens (from "
                 f"positions {self.positions}), {how}; keys centered on {len(centered_layers)} of "
-                f"{len(errs)} layers {centered_layers}; {self.preset} attention KL "
-                f"per layer: median {median(errs):.3g} nats, max {errs[worst]:.3g} (layer "
+                f"{len(all_errs)} layers {centered_layers}; {self.preset} attention KL per "
+                f"layer{fp}: median {median(errs):.3g} nats, max {all_errs[worst]:.3g} (layer "
                 f"{worst}); without centering: median {median(self.errors_uncentered):.3g}, "
                 f"max {max(self.errors_uncentered):.3g}")
 
@@ -335,6 +339,7 @@ class KeyPlan:
     centered_layers: list[int]          # layers whose keys are centered
     auto_layers: list[int] | None       # None: automatic routing not asked for
     routing: str | None = None          # the plan log's line on automatic routing
+    full_precision: list[int] = field(default_factory=list)  # every full-precision layer
 
     @property
     def key_offsets(self) -> list[torch.Tensor | None] | None:
@@ -346,7 +351,8 @@ class KeyPlan:
         return [mu if i in on else None for i, mu in enumerate(self.calibration.key_offsets)]
 
     def describe(self) -> str | None:
-        return self.calibration.describe(self.centered_layers) if self.calibration else None
+        return (self.calibration.describe(self.centered_layers, self.full_precision)
+                if self.calibration else None)
 
 
 def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_cache_dtype: str,
@@ -354,7 +360,7 @@ def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_ca
               auto_skip_budget: float, max_model_len: int, use_cache: bool = True) -> KeyPlan:
     """Calibrate if the settings need it (a TurboQuant ``kv_cache_dtype`` with key centering or
     ``"auto"`` routing), choose the centered layers and the automatic ones."""
-    from ..attention.selector import wants_auto_layers
+    from ..attention.selector import full_precision_layers, wants_auto_layers
     from ..quant.presets import PRESETS
 
     auto = wants_auto_layers(skip_layers)
@@ -369,13 +375,16 @@ def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_ca
                     num_layers=info.num_layers, vocab_size=info.vocab_size,
                     max_model_len=max_model_len, use_cache=use_cache)
     centered = cal.centered_layers(mode)
-    logger.info("%s", cal.describe(centered))
-    if not auto:
-        return KeyPlan(cal, centered, None)
-    layers, line = choose_auto_layers(cal.errors(centered), info, kv_cache_dtype, skip_layers,
-                                      boundary_layers, auto_skip_budget)
-    logger.info("%s", line)
-    return KeyPlan(cal, centered, layers, line)
+    layers, line = (choose_auto_layers(cal.errors(centered), info, kv_cache_dtype, skip_layers,
+                                       boundary_layers, auto_skip_budget) if auto else (None, None))
+    # a full-precision layer stores its keys as they are: not centered, and not named so
+    fp = set().union(*full_precision_layers(info.num_layers, info.sliding_windows, skip_layers,
+                                            boundary_layers, layers).values())
+    centered = [i for i in centered if i not in fp]
+    logger.info("%s", cal.describe(centered, sorted(fp)))
+    if line:
+        logger.info("%s", line)
+    return KeyPlan(cal, centered, layers, line, sorted(fp))
 
 
 def choose_auto_layers(errors: list[float], info, kv_cache_dtype: str, skip_layers,

@@ -17,6 +17,8 @@ from tqattn.models import load_model  # noqa: E402
 from tqattn.models.configs import model_config_path  # noqa: E402
 
 from .test_llm_reference import ChunkedReference, _one_thread, random_prompts, record_chunks  # noqa: E402,F401
+from .test_llm_score import _chunked_reference_logprobs  # noqa: E402
+from .test_llm_turboquant import _donor_chunks  # noqa: E402
 
 P = "tq_k4v3"
 
@@ -70,6 +72,8 @@ def _offset_layer0(model):
     # Qwen2's key bias, made a large constant: the layer's keys carry an offset
     g = torch.Generator().manual_seed(3)
     model.model.layers[0].self_attn.k_proj.bias.copy_(8 * torch.randn(32, generator=g))
+    # queries large enough that q·μ matters: a path mixing centered and raw keys changes tokens
+    model.model.layers[0].self_attn.q_proj.weight.mul_(20)
 
 
 def test_a_key_offset_is_centered_and_the_engine_stays_exact(tmp_path):
@@ -87,6 +91,26 @@ def test_a_key_offset_is_centered_and_the_engine_stays_exact(tmp_path):
     ref = ChunkedReference(path, P, plan.key_offsets, load_format="auto")
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == ref.generate(p, 8, chunks[o.request_id])
+    # log-probs, to rounding: short continuations (chunks of 16, at most the dequant threshold
+    # 32: decode rows over the compressed prefix, LSE-merged with the chunk) and long ones (48:
+    # the dequantized prefix and the raw chunk in one FlashAttention)
+    llm = LLM(path, kv_cache_dtype=P, max_model_len=128, max_num_batched_tokens=48, max_num_seqs=4)
+    assert llm.llm_engine.key_plan.centered_layers == [0]
+    ids = random_prompts([100], seed=5)[0]
+    for chunk in (16, 48):
+        torch.testing.assert_close(llm.score(ids, chunk_size=chunk), _chunked_reference_logprobs(
+            P, ids, chunk, plan.key_offsets, name=path, load_format="auto"), atol=2e-4, rtol=1e-4)
+    # prefix-cache hits: the engine's greedy tokens are the reference's
+    chunks = record_chunks(llm)
+    prompts = random_prompts([100, 40], seed=4)
+    runs = [llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            for _ in range(2)]
+    assert [o.num_cached_tokens for o in runs[1]] == [96, 32]
+    seen = [chunks[o.request_id] for run in runs for o in run]
+    assert any(a > 0 and n > 32 for a, n in seen[0])      # a long continuation
+    for r, o in enumerate(runs[0] + runs[1]):
+        assert o.outputs[0].token_ids == ref.generate(
+            prompts[r % 2], 8, _donor_chunks(prompts + prompts, seen, r) + seen[r]), seen[r]
     # centering everywhere, or nowhere, on request
     assert LLM(path, kv_cache_dtype=P, max_model_len=128,
                kv_cache_key_centering=True).llm_engine.key_plan.centered_layers == [0, 1]

@@ -32,9 +32,10 @@ def _hf_logprobs(ids):
 
 
 @torch.inference_mode()
-def _chunked_reference_logprobs(preset, ids, chunk, key_offsets=None):
+def _chunked_reference_logprobs(preset, ids, chunk, key_offsets=None, name="llama-tiny",
+                                **load_kwargs):
     """All positions' log-probs of the chunked reference (history decoded from the codec)."""
-    ref = reference.ChunkedReference("llama-tiny", preset)
+    ref = reference.ChunkedReference(name, preset, **load_kwargs)
     st, rows = reference._State(ref.kv_dtypes, key_offsets), []
     reference._current = st
     try:

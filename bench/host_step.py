@@ -82,7 +82,10 @@ def run(args) -> dict:
     acc = defaultdict(float)
     _timed(engine.scheduler, "schedule", acc)
     _timed(engine.scheduler, "update_from_output", acc)
-    _timed(runner, "_replay" if args.graphs else "_prepare", acc)
+    # inputs: host buffers filled, moved to the device (or the graph's static buffers), metadata built
+    for name in ("fill", "fill_decode", "upload", "to_static"):
+        _timed(runner.input_batch, name, acc, "inputs")
+    _timed(runner, "_metadata", acc, "inputs")
     _timed(runner.sampler, "sample", acc)
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.decode_steps + 8, ignore_eos=True)
@@ -99,7 +102,7 @@ def run(args) -> dict:
         engine.step()
         total = time.perf_counter() - t
         if i >= args.warmup:
-            parts = {"schedule": acc["schedule"], "inputs": acc["_replay" if args.graphs else "_prepare"],
+            parts = {"schedule": acc["schedule"], "inputs": acc["inputs"],
                      "sampling": acc["sample"], "update": acc["update_from_output"]}
             parts["engine (rest)"] = total - sum(parts.values())
             parts["total"] = total
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-dtype", action="append", help="repeatable (default: auto, turboquant_k3v4_nc)")
     ap.add_argument("--boundary-layers", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--eager", dest="graphs", action="store_false", help="decode through _prepare, not the graph path")
+    ap.add_argument("--eager", dest="graphs", action="store_false", help="decode without the graph path (upload + metadata + forward)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     results = []

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import environment  # noqa: E402
 from bench.host_step import _timed as _wrap  # noqa: E402
 from tqattn import LLM, SamplingParams  # noqa: E402
-from tqattn.engine import sampled  # noqa: E402
+from tqattn.engine import model_runner  # noqa: E402
 
 _current = {"kind": "startup"}
 
@@ -54,8 +54,8 @@ def run(model: str, kv_cache_dtype: str, prompt_len: int, max_num_seqs: int) -> 
     acc: dict[str, float] = defaultdict(float)
     _wrap(engine.scheduler, "schedule", acc, "schedule")
     _wrap(runner.input_batch, "_wait_for_copies", acc, "wait_for_copies")
-    _wrap(runner.input_batch, "prepare", acc, "input_batch")
-    _wrap(runner.input_batch, "prepare_decode", acc, "input_batch")
+    for name in ("fill", "fill_decode", "upload", "to_static"):
+        _wrap(runner.input_batch, name, acc, "input_batch")
     for b in runner.builders:
         _wrap(b, "build", acc, f"build[{type(b).__name__}]")
     _wrap(runner, "_call_model", acc, "forward")
@@ -71,8 +71,8 @@ def run(model: str, kv_cache_dtype: str, prompt_len: int, max_num_seqs: int) -> 
         finally:
             acc["launch (total)"] += time.perf_counter() - t
     runner.launch = timed_launch
-    feed = sampled.SampledTokens.feed
-    _wrap(sampled.SampledTokens, "feed", acc)  # a plain function on the class: still a method
+    feed = model_runner.apply_feed
+    _wrap(model_runner, "apply_feed", acc, "feed")  # the name the runner calls
 
     syncs: Counter = Counter()
 
@@ -109,7 +109,7 @@ def run(model: str, kv_cache_dtype: str, prompt_len: int, max_num_seqs: int) -> 
     finally:
         torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = old
-        sampled.SampledTokens.feed = feed  # the next dtype's run wraps it afresh
+        model_runner.apply_feed = feed  # the next dtype's run wraps it afresh
     parts = {}
     for kind, rows in steps.items():
         keys = sorted({k for r in rows for k in r})

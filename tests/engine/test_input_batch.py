@@ -4,6 +4,7 @@ warm-up / score style sequences that never run through the scheduler)."""
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -121,6 +122,7 @@ def test_matches_the_per_sequence_tensors(seed, monkeypatch):
     for i, p in enumerate(random_prompts(rng, 40, 1, 60, shared=shared)):
         sched.add(Sequence(p, SP(max_tokens=rng.randint(1, 30), ignore_eos=True)))
     batch = InputBatch(groups, bs, torch.device("cpu"))
+    other = InputBatch(groups, bs, torch.device("cpu"))  # a rank that only loads what batch fills
     max_blocks = -(-256 // bs)
     new_static, ref_static = (static_buffers(16, max_blocks, groups, seed) for _ in range(2))
     fake, decode_steps, preempted = None, 0, 0
@@ -130,10 +132,17 @@ def test_matches_the_per_sequence_tensors(seed, monkeypatch):
         scheduled = out.scheduled
         if rng.random() < 0.5:
             assert_same_inputs(batch.prepare(scheduled), reference_prepare(scheduled, groups, bs))
+        elif rng.random() < 0.5:  # another tensor-parallel rank: the host arrays sent, loaded, uploaded
+            sent = pickle.loads(pickle.dumps(batch.fill(scheduled)))
+            assert_same_inputs(other.upload(other.load(sent)), reference_prepare(scheduled, groups, bs))
         if all(s.is_decode for s in scheduled):
             decode_steps += 1
             bucket = rng.choice([b for b in (1, 2, 4, 8, 16) if b >= len(scheduled)])
-            batch.prepare_decode(scheduled, bucket, new_static)
+            if rng.random() < 0.5:
+                batch.prepare_decode(scheduled, bucket, new_static)
+            else:
+                other.to_static(other.load(pickle.loads(pickle.dumps(batch.fill_decode(scheduled, bucket)))),
+                                new_static)
             reference_replay_inputs(scheduled, bucket, ref_static, groups, bs)
             for k, v in ref_static.items():
                 assert all(torch.equal(a, b) for a, b in zip(new_static[k], v)) if isinstance(v, list) \

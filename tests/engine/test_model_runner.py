@@ -173,7 +173,8 @@ def test_decode_graph_replay_equals_eager(monkeypatch, one_thread, name, kwargs)
     runner.capture_cudagraphs(4, 64)
     assert sorted(runner.graphs) == [1, 2, 4]
     replays = []
-    replay = runner._replay
-    monkeypatch.setattr(runner, "_replay", lambda s, *a: replays.append(len(s)) or replay(s, *a))
+    step = runner.run_step
+    monkeypatch.setattr(runner, "run_step", lambda host, *a: (
+        host.bucket is not None and replays.append(host.num_reqs)) or step(host, *a))
     assert run(graphs) == run(LLM(name, **common))
     assert {1, 3, 4} <= set(replays)  # padded buckets too (3 requests in the 4-bucket)

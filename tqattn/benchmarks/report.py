@@ -262,6 +262,11 @@ def markdown(result: dict) -> str:
         f" ({r['step_check']['num_violations']} of {r['step_check']['num_steps']} steps)")
     row("compilations after start-up", lambda r: _compilations(r["compilations_after_startup"]))
     row("KV capacity (tokens)", lambda r: f"{r['kv_capacity_tokens']:,} ({_gib(r['kv_cache_bytes'])})")
+    if any(r.get("tensor_parallel_size", 1) > 1 for r in res):
+        row("tensor parallel: ranks, heads per rank", lambda r: f"{r.get('tensor_parallel_size', 1)}: "
+            f"{r.get('q_heads_per_rank', 'n/a')} attention, {r.get('kv_heads_per_rank', 'n/a')} KV")
+        row("KV cache per rank", lambda r: _gib(r.get("kv_cache_bytes_per_rank", r["kv_cache_bytes"])))
+        row("output tok/s per rank", lambda r: f"{r.get('output_tok_s_per_rank', r['output_tok_s']):.0f}")
     row("peak concurrent sequences", lambda r: str(r["peak_concurrent_seqs"]))
     row("preemptions", lambda r: str(r["num_preemptions"]))
     row("tokens prefilled again", lambda r: f"{r['num_recomputed_tokens']:,} "

@@ -70,6 +70,7 @@ def run_dtype(model: str, kv_cache_dtype: str, workload: Workload, engine_kwargs
     llm = LLM(model, kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
     startup_s = time.perf_counter() - t0
     engine = llm.llm_engine
+    tp = engine.args.tensor_parallel_size
     try:
         vocab = engine.model_info.vocab_size
         prompts = [{"prompt_token_ids": p}
@@ -100,8 +101,13 @@ def run_dtype(model: str, kv_cache_dtype: str, workload: Workload, engine_kwargs
             "compilations_after_startup": counts_after,  # the engine counts from the end of start-up
             "compilations_in_run": _diff(counts_after, counts_before),
             "kv_capacity_tokens": engine.plan["cache_tokens"],
-            "kv_cache_bytes": engine.plan["cache_bytes"],
-            "kv_bytes_per_token": engine.plan["bytes_per_token"],
+            "kv_cache_bytes": engine.plan["cache_bytes"] * tp,  # all ranks
+            "kv_bytes_per_token": engine.plan["bytes_per_token"] * tp,
+            # tensor parallelism: every rank holds every token's cache for its KV heads
+            "tensor_parallel_size": tp,
+            "kv_cache_bytes_per_rank": engine.plan["cache_bytes"],
+            "q_heads_per_rank": engine.plan["q_heads_per_rank"],
+            "kv_heads_per_rank": engine.plan["kv_heads_per_rank"],
             "peak_concurrent_seqs": stats["max_num_running"],
             "num_preemptions": stats["num_preemptions"],
             "num_recomputed_tokens": stats["num_recomputed_tokens"],
@@ -112,10 +118,12 @@ def run_dtype(model: str, kv_cache_dtype: str, workload: Workload, engine_kwargs
             "plan_groups": engine.plan["groups"],
             "timeline": report.timeline_columns(records),
         }
+        result["output_tok_s_per_rank"] = result["output_tok_s"] / tp
         result["recomputed_fraction_of_prompt_tokens"] = (
             result["num_recomputed_tokens"] / max(result["input_tokens"], 1))
         return result
     finally:
+        llm.shutdown()  # the next dtype's engine starts its own ranks
         del llm, engine
         _release_memory()
 

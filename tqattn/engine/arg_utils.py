@@ -170,6 +170,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          help="launch each step before reading the previous step's tokens, overlapping host and "
               "device work (default: on CUDA)")
     flag("seed", type=int, help="engine seed (weights of dummy models, sampling of unseeded requests)")
+    flag("tensor_parallel_size", type=positive_int,
+         help="split the model over N processes (one GPU each, cuda:0..N-1; gloo ranks on CPU): "
+              "N must divide the attention heads, and divide or be a multiple of the KV heads")
     return parser
 
 

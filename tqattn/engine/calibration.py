@@ -340,6 +340,7 @@ class KeyPlan:
     auto_layers: list[int] | None       # None: automatic routing not asked for
     routing: str | None = None          # the plan log's line on automatic routing
     full_precision: list[int] = field(default_factory=list)  # every full-precision layer
+    seconds: float = 0.0                # what deciding took (the engine's start-up part)
 
     @property
     def key_offsets(self) -> list[torch.Tensor | None] | None:

@@ -17,10 +17,16 @@ its block tables only grow.
 A pinned buffer must not be rewritten while the previous step's copy from it may still be in
 flight (a step that samples nothing never syncs with the device): an event recorded after the
 copies is waited on before the next write.
+
+A step is filled in two halves: :meth:`InputBatch.fill` (or ``fill_decode``) writes the host
+buffers and returns them as a :class:`StepHost`; :meth:`InputBatch.upload` (or ``to_static``)
+moves them to the device. With tensor parallelism rank 0 fills, sends the StepHost to the other
+ranks, and each of them :meth:`InputBatch.load`\ s it into its own buffers before uploading.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +66,28 @@ class _Buffer:
 
     def cpu(self, n: int) -> torch.Tensor:
         return self.host[:n]
+
+
+@dataclass
+class StepHost:
+    """One step's inputs as host arrays: what rank 0 fills and every rank uploads.
+
+    A CUDA-graph decode step (``bucket`` set) is padded to the bucket: seq_lens, num_computed_tokens,
+    the block tables and the slot mappings have ``bucket`` rows; input_ids and positions have
+    ``num_reqs``; query_start_loc is empty (the graph's is static)."""
+    input_ids: np.ndarray  # (T,) int64
+    positions: np.ndarray  # (T,) int64
+    query_start_loc: np.ndarray  # (B+1,) int32
+    seq_lens: np.ndarray  # (B,) int32
+    num_computed_tokens: np.ndarray  # (B,) int32
+    block_tables: list[np.ndarray]  # per group (B, max_blocks) int32
+    slot_mappings: list[np.ndarray]  # per group (T,) int64
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    sample_idx: list[int]
+    bucket: int | None = None
 
 
 @dataclass
@@ -182,6 +210,10 @@ class InputBatch:
 
     def prepare(self, scheduled) -> StepInputs:
         """Fill the buffers for a step (decodes first, then prefill chunks) and move them to the device."""
+        return self.upload(self.fill(scheduled))
+
+    def fill(self, scheduled) -> StepHost:
+        """Write a step's inputs (decodes first, then prefill chunks) into the host buffers."""
         self._wait_for_copies()
         bs, n = self.block_size, len(scheduled)
         rows = self.rows_for(scheduled)
@@ -220,22 +252,52 @@ class InputBatch:
             table, slots = self.block_table[g], self.slot_mapping[g]
             table.reserve(n * width)
             slots.reserve(num_tokens)
-            self._gather(g, rows, width, table.np[:n * width].reshape(n, width))
+            block_tables.append(table.np[:n * width].reshape(n, width))
+            self._gather(g, rows, width, block_tables[-1])
             slots.np[:num_tokens] = (self.rows[g][token_rows, positions // bs].astype(np.int64) * bs
                                      + positions % bs)
-            block_tables.append(table.to_device(n * width, (n, width)))
-            slot_mappings.append(slots.to_device(num_tokens))
+            slot_mappings.append(slots.np[:num_tokens])
+        return StepHost(
+            input_ids=self.input_ids.np[:num_tokens], positions=self.positions.np[:num_tokens],
+            query_start_loc=self.query_start_loc.np[:n + 1], seq_lens=self.seq_lens.np[:n],
+            num_computed_tokens=self.num_computed.np[:n], block_tables=block_tables,
+            slot_mappings=slot_mappings, num_reqs=n, max_query_len=int(q_lens.max()),
+            max_seq_len=max_seq_len, num_decodes=num_decodes,
+            sample_idx=[int(qsl[i + 1]) - 1 for i, s in enumerate(scheduled) if s.samples])
+
+    def upload(self, h: StepHost) -> StepInputs:
+        """A filled (or loaded) step's buffers on the device."""
+        n, num_tokens = h.num_reqs, len(h.input_ids)
         out = StepInputs(
             input_ids=self.input_ids.to_device(num_tokens), positions=self.positions.to_device(num_tokens),
             query_start_loc=self.query_start_loc.to_device(n + 1), seq_lens=self.seq_lens.to_device(n),
-            num_computed_tokens=self.num_computed.to_device(n), block_tables=block_tables,
-            slot_mappings=slot_mappings, query_start_loc_cpu=self.query_start_loc.cpu(n + 1),
-            seq_lens_cpu=self.seq_lens.cpu(n), num_computed_tokens_cpu=self.num_computed.cpu(n),
-            num_reqs=n, num_tokens=num_tokens, max_query_len=int(q_lens.max()), max_seq_len=max_seq_len,
-            num_decodes=num_decodes,
-            sample_idx=[int(qsl[i + 1]) - 1 for i, s in enumerate(scheduled) if s.samples])
+            num_computed_tokens=self.num_computed.to_device(n),
+            block_tables=[self.block_table[g].to_device(t.size, t.shape) for g, t in enumerate(h.block_tables)],
+            slot_mappings=[self.slot_mapping[g].to_device(num_tokens) for g in range(self.num_groups)],
+            query_start_loc_cpu=self.query_start_loc.cpu(n + 1), seq_lens_cpu=self.seq_lens.cpu(n),
+            num_computed_tokens_cpu=self.num_computed.cpu(n), num_reqs=n, num_tokens=num_tokens,
+            max_query_len=h.max_query_len, max_seq_len=h.max_seq_len, num_decodes=h.num_decodes,
+            sample_idx=h.sample_idx)
         self.copies_issued()
         return out
+
+    def load(self, h: StepHost) -> StepHost:
+        """A step another rank filled, written into this batch's host buffers (returned as views
+        of them, ready for upload / to_static)."""
+        self._wait_for_copies()
+
+        def put(buf: _Buffer, a: np.ndarray) -> np.ndarray:
+            buf.reserve(max(a.size, 1))
+            view = buf.np[:a.size].reshape(a.shape)
+            view[...] = a
+            return view
+
+        return dataclasses.replace(
+            h, input_ids=put(self.input_ids, h.input_ids), positions=put(self.positions, h.positions),
+            query_start_loc=put(self.query_start_loc, h.query_start_loc),
+            seq_lens=put(self.seq_lens, h.seq_lens), num_computed_tokens=put(self.num_computed, h.num_computed_tokens),
+            block_tables=[put(self.block_table[g], t) for g, t in enumerate(h.block_tables)],
+            slot_mappings=[put(self.slot_mapping[g], t) for g, t in enumerate(h.slot_mappings)])
 
     def _gather(self, g: int, rows: np.ndarray, width: int, out: np.ndarray) -> None:
         have = min(width, self.rows[g].shape[1])
@@ -245,6 +307,10 @@ class InputBatch:
     def prepare_decode(self, scheduled, bucket: int, static: dict) -> None:
         """Write a pure-decode step straight into a CUDA graph's static buffers, padded to bucket
         (padding rows: seq_len 0, block ids 0, slot -1)."""
+        self.to_static(self.fill_decode(scheduled, bucket), static)
+
+    def fill_decode(self, scheduled, bucket: int) -> StepHost:
+        """A pure-decode step's host buffers, padded to bucket (see prepare_decode)."""
         self._wait_for_copies()
         bs, n = self.block_size, len(scheduled)
         rows = self.rows_for(scheduled)
@@ -258,9 +324,7 @@ class InputBatch:
         self.num_computed.np[:n] = pos
         self.num_computed.np[n:bucket] = 0
         width = int(self.written[rows].max())
-        for name, b, size in (("input_ids", self.input_ids, n), ("positions", self.positions, n),
-                              ("seq_lens", self.seq_lens, bucket), ("num_computed_tokens", self.num_computed, bucket)):
-            static[name][:size].copy_(b.cpu(size), non_blocking=True)
+        tables, slot_mappings = [], []
         for g in range(self.num_groups):
             table, slots = self.block_table[g], self.slot_mapping[g]
             table.reserve(bucket * width)
@@ -270,7 +334,24 @@ class InputBatch:
             t[n:] = 0
             slots.np[:n] = self.rows[g][rows, pos // bs].astype(np.int64) * bs + pos % bs
             slots.np[n:bucket] = -1
-            static["block_tables"][g][:bucket, :width].copy_(table.cpu(bucket * width).view(bucket, width),
+            tables.append(t)
+            slot_mappings.append(slots.np[:bucket])
+        return StepHost(
+            input_ids=self.input_ids.np[:n], positions=self.positions.np[:n],
+            query_start_loc=np.zeros(0, dtype=np.int32), seq_lens=self.seq_lens.np[:bucket],
+            num_computed_tokens=self.num_computed.np[:bucket], block_tables=tables,
+            slot_mappings=slot_mappings, num_reqs=n, max_query_len=1, max_seq_len=int(pos.max()) + 1,
+            num_decodes=n, sample_idx=list(range(n)), bucket=bucket)
+
+    def to_static(self, h: StepHost, static: dict) -> None:
+        """A filled (or loaded) decode step's buffers into the CUDA graph's static inputs."""
+        n, bucket = h.num_reqs, h.bucket
+        for name, b, size in (("input_ids", self.input_ids, n), ("positions", self.positions, n),
+                              ("seq_lens", self.seq_lens, bucket), ("num_computed_tokens", self.num_computed, bucket)):
+            static[name][:size].copy_(b.cpu(size), non_blocking=True)
+        for g, t in enumerate(h.block_tables):
+            width = t.shape[1]
+            static["block_tables"][g][:bucket, :width].copy_(self.block_table[g].cpu(bucket * width).view(bucket, width),
                                                             non_blocking=True)
-            static["slot_mappings"][g][:bucket].copy_(slots.cpu(bucket), non_blocking=True)
+            static["slot_mappings"][g][:bucket].copy_(self.slot_mapping[g].cpu(bucket), non_blocking=True)
         self.copies_issued()

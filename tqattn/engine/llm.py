@@ -28,7 +28,9 @@ class LLM:
     ``enable_prefix_caching``, ``enable_chunked_prefill``, ``kv_cache_memory_bytes`` /
     ``gpu_memory_utilization`` / ``num_gpu_blocks_override``, ``load_format``, ``seed``,
     ``device``, ``enforce_eager`` (no compiled model, no CUDA graphs), ``compile_model``
-    (None: compile on CUDA unless enforce_eager; False: eager model, CUDA graphs still on).
+    (None: compile on CUDA unless enforce_eager; False: eager model, CUDA graphs still on),
+    ``tensor_parallel_size`` (split the model over N processes, one GPU each: the engine starts
+    the other ranks itself and stops them with :meth:`shutdown`, on deletion or at exit).
     Start-up compiles and warms up everything a run can reach:
     ``llm.llm_engine.startup_times`` has the parts' seconds, and
     ``llm.llm_engine.compilation_counts()`` what compiled after it.
@@ -37,6 +39,11 @@ class LLM:
     def __init__(self, model: str = "default", **kwargs):
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes now (deleting the LLM or exiting
+        does too); no effect without tensor parallelism."""
+        self.llm_engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -7,12 +7,18 @@ only lengths: each sequence that sampled in step N carries a placeholder token u
 arrive (tqattn/engine/sampled.py), and a max_tokens finish is known at once. What depends on a
 value — an EOS or stop token, a stop string — is applied when it arrives; a sequence it finishes
 has had one more token computed in the step already launched, which is dropped.
+
+Tensor parallelism (``tensor_parallel_size`` > 1, :mod:`tqattn.engine.parallel`): this process is
+rank 0 and starts the other ranks' worker processes before loading; every rank builds the same
+model runner over its shard (:func:`build_model_runner`), and the scheduler, the block manager and
+sampling stay here. :meth:`LLMEngine.shutdown` (also on deletion and at exit) stops the workers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from functools import partial
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -24,11 +30,14 @@ from tqattn.attention.backend import AttentionLayerSpec
 from tqattn.attention.hf_attention import use_tqattn
 from tqattn.attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, FULL_PRECISION,
                                        build_attention_layers, describe_full_precision,
-                                       describe_plan, full_precision_layers, resolve_kv_cache_dtypes)
-from tqattn.models import load_model
+                                       describe_plan, full_precision_layers, resolve_kv_cache_dtypes,
+                                       wants_auto_layers)
+from tqattn.models import load_config, load_model
+from tqattn.models.loader import LoadedModel
+from tqattn.models.sharding import split_heads
 from tqattn.quant.presets import PRESETS
 
-from . import calibration, compilation, precompile
+from . import calibration, compilation, parallel, precompile
 from .block_manager import BlockManager
 from .config import SchedulerConfig
 from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks, kv_cache_groups
@@ -72,6 +81,7 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs and no compiled model
     compile_model: bool | None = None  # torch.compile the model; None: on CUDA unless enforce_eager
     async_scheduling: bool | None = None  # launch step N+1 before reading N's tokens; None: on CUDA
+    tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -102,6 +112,14 @@ class EngineArgs:
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
             raise ValueError(f"kv_cache_auto_skip_budget must be a number >= 0 (a share of the "
                              f"all-compressed cache's bytes, e.g. 0.2), got {budget!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer (1 = no tensor "
+                             f"parallelism), got {tp!r}")
+        if tp > 1 and self.kv_cache_key_centering:
+            raise ValueError("kv_cache_key_centering=True needs the start-up calibration, which "
+                             f"does not run with tensor parallelism yet (tensor_parallel_size={tp}); "
+                             "use kv_cache_key_centering=None or False")
         if self.enforce_eager and self.compile_model:
             raise ValueError("enforce_eager=True runs the model eagerly (no compilation, no CUDA "
                              "graphs); it cannot be combined with compile_model=True")
@@ -117,6 +135,94 @@ def resolve_compile_model(args: EngineArgs, device: torch.device) -> bool:
     if args.compile_model is not None:
         return args.compile_model
     return device.type == "cuda" and not args.enforce_eager
+
+
+def resolve_device(args: EngineArgs) -> torch.device:
+    """The engine's device (rank 0's with tensor parallelism: rank r runs on cuda:r)."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.tensor_parallel_size > 1 and device.type == "cuda":
+        return torch.device("cuda", 0)
+    return device
+
+
+def setup_compilation(args: EngineArgs, device: torch.device) -> bool:
+    """Compile caches and counters of this process; returns whether the model is compiled."""
+    compile_model = resolve_compile_model(args, device)
+    if compile_model or device.type == "cuda":
+        compilation.use_cache_dirs()
+    compilation.install()
+    return compile_model
+
+
+def build_model_runner(args: EngineArgs, device: torch.device,
+                       tp: parallel.TensorParallelGroup | None = None) -> tuple[LoadedModel, list, ModelRunner]:
+    """Load the model (this rank's shard with tensor parallelism), bind its attention to the
+    per-layer KV-cache plan and wrap it in a model runner: the start-up every rank runs alike."""
+    compile_model = resolve_compile_model(args, device)
+    loaded = load_model(args.model, dtype=args.dtype, load_format=args.load_format, device=device,
+                        seed=args.seed, max_model_len=args.max_model_len,
+                        tensor_parallel_size=args.tensor_parallel_size)
+    key_plan = plan_keys(args, loaded)
+    layers = attention_layers(args, loaded, key_plan)
+    calibration.apply_key_offsets(layers, key_plan, device)
+    use_tqattn(loaded.model, [layer.spec for layer in layers])
+    groups = kv_cache_groups(layers, args.block_size)
+    runner = ModelRunner(loaded.model, layers, groups, args.block_size, device, args.seed,
+                         compile_model=compile_model, tp=tp)
+    return loaded, layers, runner, key_plan
+
+
+def plan_keys(args: EngineArgs, loaded: LoadedModel) -> calibration.KeyPlan:
+    """Key centering and automatic routing from the start-up calibration (its seconds in
+    ``key_plan.seconds``). With tensor parallelism the calibration does not run yet — each rank
+    holds some heads, and the ranks' choices would have to agree — so every layer is compressed
+    uncentered there (logged)."""
+    t0 = time.perf_counter()
+    if args.tensor_parallel_size > 1:
+        auto = wants_auto_layers(args.kv_cache_dtype_skip_layers)
+        if args.kv_cache_dtype in PRESETS:
+            logger.warning("tensor_parallel_size=%d: no start-up calibration yet, so no key "
+                           "centering and no automatic routing (every layer not listed in "
+                           "kv_cache_dtype_skip_layers is compressed as it is)",
+                           args.tensor_parallel_size)
+        plan = calibration.KeyPlan(None, [], [] if auto else None)
+    else:
+        plan = calibration.plan_keys(
+            loaded.model, loaded.tokenizer, loaded.info, loaded.name,
+            kv_cache_dtype=args.kv_cache_dtype, skip_layers=args.kv_cache_dtype_skip_layers,
+            boundary_layers=args.kv_cache_boundary_layers, key_centering=args.kv_cache_key_centering,
+            auto_skip_budget=args.kv_cache_auto_skip_budget, max_model_len=loaded.max_model_len)
+    plan.seconds = time.perf_counter() - t0
+    return plan
+
+
+def attention_layers(args: EngineArgs, loaded: LoadedModel,
+                     key_plan: calibration.KeyPlan | None = None) -> list:
+    """Each layer's spec from the HF config (this rank's heads with tensor parallelism), its KV
+    dtype from the routing (``key_plan.auto_layers``: what automatic routing chose), its
+    backend."""
+    info = loaded.info
+    routing = (info.num_layers, info.sliding_windows)
+    auto = key_plan.auto_layers if key_plan is not None else None
+    dtypes = resolve_kv_cache_dtypes(*routing, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers,
+                                     args.kv_cache_boundary_layers, auto)
+    if args.kv_cache_dtype in PRESETS and FULL_PRECISION in dtypes:
+        rules = full_precision_layers(*routing, args.kv_cache_dtype_skip_layers,
+                                      args.kv_cache_boundary_layers, auto)
+        logger.warning("kv_cache_dtype=%s: %s keep a full-precision cache", args.kv_cache_dtype,
+                       describe_full_precision(rules, info.num_layers))
+    heads = split_heads(info.num_q_heads, info.num_kv_heads, args.tensor_parallel_size)
+    specs = [AttentionLayerSpec(
+        layer_idx=i, num_heads=heads.num_q_heads, num_kv_heads=heads.num_kv_heads,
+        head_size=info.head_dim, scale=info.scaling, dtype=loaded.dtype,
+        kv_cache_dtype=dtypes[i], sliding_window=info.sliding_windows[i],
+        logits_soft_cap=info.attn_logit_softcapping or 0.0) for i in range(info.num_layers)]
+    try:
+        return build_attention_layers(specs, args.block_size)
+    except ValueError as e:
+        raise ValueError(f"model {loaded.name} (head size {info.head_dim}) cannot use "
+                         f"kv_cache_dtype={args.kv_cache_dtype!r}: {e}; pick another preset "
+                         f"(see `tqattn presets`) or kv_cache_dtype='auto'") from e
 
 
 def _check_device(device: str | None) -> None:
@@ -166,20 +272,45 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        """Start-up: load, compile (a first forward), size and allocate the KV cache (on CUDA
+        """Start-up: (with tensor parallelism: check the model's heads and the devices, start the
+        other ranks) load, compile (a first forward), size and allocate the KV cache (on CUDA
         after a profile step), warm up every step kind, capture the decode CUDA graphs. Each
         part's seconds are in ``startup_times``; compilations after it, in
         :meth:`compilation_counts`."""
         self.args = args
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(args)
+        self.workers = None  # tensor parallelism: ranks 1..N-1 (worker.WorkerPool)
+        t0 = time.perf_counter()
+        if args.tensor_parallel_size > 1:
+            from .worker import WorkerPool
+
+            # before any process starts: a bad size or model fails here
+            parallel.check_tensor_parallel(args.tensor_parallel_size,
+                                           load_config(args.model, args.load_format), self.device)
+            self.workers = WorkerPool(args, self.device)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.workers)
+        try:
+            self._start(args, t0)
+        except BaseException:
+            if self.workers is not None:  # a worker may wait in a collective for this rank
+                self.workers.shutdown(graceful=False)
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (also run when the engine is deleted or at exit);
+        the engine cannot step after it. Nothing to do without tensor parallelism."""
+        self._finalizer()
+
+    def _start(self, args: EngineArgs, t0: float) -> None:
         cuda = self.device.type == "cuda"
-        compile_model = resolve_compile_model(args, self.device)
-        if compile_model or cuda:
-            compilation.use_cache_dirs()
-        compilation.install()
-        t0 = lap = time.perf_counter()
-        precompiler = precompile.start(self.device, args.enforce_eager)  # its workers start now
+        lap = time.perf_counter()
+        compile_model = setup_compilation(args, self.device)
+        # the compile pool's workers would run the model without the other ranks
+        precompiler = (precompile.start(self.device, args.enforce_eager)
+                       if args.tensor_parallel_size == 1 else None)  # its workers start now
         self.startup_times: dict[str, float] = {}
+        if self.workers is not None:  # the checks, until every rank joined the process group
+            self.startup_times["start_workers"] = lap - t0
         # what the warm-up compiled (compilation.builds_since) and the precompile's summary
         # (None: it failed), where they ran
         self.startup_builds: dict[str, dict | None] = {}
@@ -190,29 +321,21 @@ class LLMEngine:
             self.startup_times[part] = now - lap
             lap = now
 
-        loaded = self.loaded = load_model(args.model, dtype=args.dtype, load_format=args.load_format,
-                                          device=self.device, seed=args.seed,
-                                          max_model_len=args.max_model_len)
+        tp = self.workers.group if self.workers is not None else None
+        loaded, self.layers, runner, self.key_plan = build_model_runner(args, self.device, tp)
+        self.loaded, self.runner = loaded, runner
         self.tokenizer = loaded.tokenizer
         self.model_info = loaded.info
-        done("load")
-        self.key_plan = calibration.plan_keys(
-            loaded.model, loaded.tokenizer, loaded.info, loaded.name,
-            kv_cache_dtype=args.kv_cache_dtype, skip_layers=args.kv_cache_dtype_skip_layers,
-            boundary_layers=args.kv_cache_boundary_layers, key_centering=args.kv_cache_key_centering,
-            auto_skip_budget=args.kv_cache_auto_skip_budget, max_model_len=loaded.max_model_len)
-        done("calibration")
-        self.layers = self._attention_layers()
-        use_tqattn(loaded.model, [layer.spec for layer in self.layers])
         config = SchedulerConfig(
             max_model_len=loaded.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_chunked_prefill=args.enable_chunked_prefill,
             enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size)
-        groups = kv_cache_groups(self.layers, args.block_size)
-        runner = self.runner = ModelRunner(loaded.model, self.layers, groups, args.block_size,
-                                           self.device, args.seed, compile_model=compile_model)
-        done("plan")
+        groups = runner.groups
+        done("load")
+        # the calibration ran inside the load: its own part
+        self.startup_times["load"] -= self.key_plan.seconds
+        self.startup_times["calibration"] = self.key_plan.seconds
         if compile_model:  # at the largest step's size: what Inductor tunes for
             runner.dummy_prefill(args.max_num_batched_tokens, loaded.max_model_len)
         done("compile")
@@ -248,6 +371,7 @@ class LLMEngine:
         self.requests: dict[Hashable, _Request] = {}
         self.step_records: list[StepRecord] | None = None  # see record_steps()
         self.async_scheduling = (cuda if args.async_scheduling is None else args.async_scheduling)
+        runner.share_sampled_tokens = self.async_scheduling  # the other ranks feed them in
         self._inflight: _Inflight | None = None
         self._last_done = 0.0  # perf_counter when the last step's tokens reached the host
         self._last_ended = None  # the last recorded step's end event (device timing)
@@ -258,6 +382,11 @@ class LLMEngine:
                          cache_tokens=self.kv_cache_config.num_tokens,
                          cache_bytes=self.kv_cache_config.total_bytes,
                          bf16_cache_tokens=self.kv_cache_config.total_bytes // bf16_bytes_per_token(self.layers))
+        info, n = self.model_info, args.tensor_parallel_size
+        heads = split_heads(info.num_q_heads, info.num_kv_heads, n)
+        self.plan.update(tensor_parallel_size=n, q_heads_per_rank=heads.num_q_heads,
+                         kv_heads_per_rank=heads.num_kv_heads, kv_head_replicas=heads.kv_head_replicas,
+                         num_q_heads=info.num_q_heads, num_kv_heads=info.num_kv_heads)
         self.startup_times["total"] = self.load_time = time.perf_counter() - t0
         self._compile_mark = runner.compile_mark = compilation.mark()
         logger.info("%s", format_plan(self.plan))
@@ -273,32 +402,6 @@ class LLMEngine:
         recompiled), ``triton`` (Triton/Gluon kernel variants built), ``total``, and their
         names (``dynamo_frames``, ``triton_kernels``)."""
         return compilation.since(self._compile_mark)
-
-    def _attention_layers(self):
-        """Each layer's spec from the HF config, its KV dtype from the routing, its backend."""
-        args, info = self.args, self.model_info
-        routing = (info.num_layers, info.sliding_windows)
-        auto = self.key_plan.auto_layers
-        dtypes = resolve_kv_cache_dtypes(*routing, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers,
-                                         args.kv_cache_boundary_layers, auto)
-        if args.kv_cache_dtype in PRESETS and FULL_PRECISION in dtypes:
-            rules = full_precision_layers(*routing, args.kv_cache_dtype_skip_layers,
-                                          args.kv_cache_boundary_layers, auto)
-            logger.warning("kv_cache_dtype=%s: %s keep a full-precision cache", args.kv_cache_dtype,
-                           describe_full_precision(rules, info.num_layers))
-        specs = [AttentionLayerSpec(
-            layer_idx=i, num_heads=info.num_q_heads, num_kv_heads=info.num_kv_heads,
-            head_size=info.head_dim, scale=info.scaling, dtype=self.loaded.dtype,
-            kv_cache_dtype=dtypes[i], sliding_window=info.sliding_windows[i],
-            logits_soft_cap=info.attn_logit_softcapping or 0.0) for i in range(info.num_layers)]
-        try:
-            layers = build_attention_layers(specs, args.block_size)
-        except ValueError as e:
-            raise ValueError(f"model {self.loaded.name} (head size {info.head_dim}) cannot use "
-                             f"kv_cache_dtype={args.kv_cache_dtype!r}: {e}; pick another preset "
-                             f"(see `tqattn presets`) or kv_cache_dtype='auto'") from e
-        calibration.apply_key_offsets(layers, self.key_plan, self.device)
-        return layers
 
     def _num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         args = self.args
@@ -411,15 +514,12 @@ class LLMEngine:
                                        f"({bm.num_free_blocks()} free blocks of {bm.block_size})")
                 rows = list(range(max(logprobs_start - pos, 0), m))
                 sched = ScheduledSeq(seq, m, False, pos)
-                input_ids, positions, metadata, _ = self.runner._prepare([sched])
+                logits = self.runner.logits_at([sched], rows)  # no rows: no LM head
                 if rows:
-                    logits = self.runner.forward(input_ids, positions, metadata, rows)
                     if out is None:
                         out = torch.empty(n - logprobs_start, logits.shape[-1], dtype=torch.float32)
                     a = pos + rows[0] - logprobs_start
                     out[a:a + len(rows)] = torch.log_softmax(logits.float(), -1).cpu()
-                else:  # nothing to score in this chunk: no LM head
-                    self.runner.forward(input_ids, positions, metadata, [])
                 seq.num_computed_tokens += m
         finally:
             bm.free(seq)
@@ -566,6 +666,11 @@ class LLMEngine:
                              finished=True, metrics=m)
 
 
+def _stop_workers(workers) -> None:
+    if workers is not None:
+        workers.shutdown()
+
+
 def format_startup(times: dict[str, float], compiled: bool, graphs: bool) -> str:
     """One line: the start-up parts' seconds."""
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in times.items() if k != "total")
@@ -584,8 +689,16 @@ def format_plan(plan: dict) -> str:
         lines.append(f"  {plan['calibration']}")
     if plan.get("auto_routing"):
         lines.append(f"  {plan['auto_routing']}")
-    lines.append(f"  {plan['bytes_per_token']:.1f} bytes/token (bf16: {plan['bf16_bytes_per_token']}), "
-                 f"{plan['capacity_vs_bf16']:.2f}x the tokens of bf16; cache: {plan['num_blocks']} blocks "
+    tp = plan.get("tensor_parallel_size", 1)
+    per_rank = " per rank" if tp > 1 else ""
+    if tp > 1:
+        how = (f"each KV head on {plan['kv_head_replicas']} ranks" if plan["kv_head_replicas"] > 1
+               else "KV heads sharded")
+        lines.append(f"  tensor parallel: {tp} ranks, {plan['q_heads_per_rank']} of {plan['num_q_heads']} "
+                     f"attention heads and {plan['kv_heads_per_rank']} of {plan['num_kv_heads']} KV heads "
+                     f"per rank ({how}); all ranks' cache: {tp * plan['cache_bytes'] / 2**20:.1f} MiB")
+    lines.append(f"  {plan['bytes_per_token']:.1f} bytes/token{per_rank} (bf16: {plan['bf16_bytes_per_token']}), "
+                 f"{plan['capacity_vs_bf16']:.2f}x the tokens of bf16; cache{per_rank}: {plan['num_blocks']} blocks "
                  f"x {plan['block_size']} = {plan['cache_tokens']} tokens in {plan['cache_bytes'] / 2**20:.1f} MiB "
                  f"(bf16 would hold {plan['bf16_cache_tokens']})")
     return "\n".join(lines)

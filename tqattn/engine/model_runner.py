@@ -16,10 +16,17 @@ backends' metadata is built once per bucket at capture, over those buffers. That
 KV-cache group's backend to declare ``cudagraph_decode`` (its pure-decode metadata is only views
 of the CommonAttentionMetadata device tensors and its decode kernels never sync with the host:
 TURBOQUANT, FLASH_ATTN); a model with a layer on any other backend runs decode eagerly (logged).
+
+Tensor parallelism (``tp``, :mod:`tqattn.engine.parallel`): every rank has a runner over its shard
+of the model. Rank 0's runner fills each step's host arrays, sends them to the other ranks and
+runs the step; they run it from the arrays (:meth:`ModelRunner.worker_step`). The start-up calls
+(``@_on_every_rank``) are sent by name and run on every rank. Only rank 0 samples.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from collections.abc import Hashable
 
@@ -29,8 +36,8 @@ from tqattn.attention.backend import AttentionLayer, CommonAttentionMetadata
 from tqattn.attention.forward_context import ForwardContext, set_forward_context
 
 from . import compilation
-from .input_batch import InputBatch
-from .sampled import SampledTokens
+from .input_batch import InputBatch, StepHost, StepInputs
+from .sampled import SampledTokens, apply_feed
 from .kv_cache import KVCacheGroup, allocate_kv_caches
 from .sampling import Sampler, SamplingParams
 from .scheduler import ScheduledSeq
@@ -47,11 +54,32 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def _on_every_rank(method):
+    """A start-up call every tensor-parallel rank runs: rank 0 sends it to the others first (the
+    steps it makes inside are not sent: each rank makes them itself)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.tp is None or not self.tp.is_driver or self._in_call:
+            return method(self, *args, **kwargs)
+        with self.tp.collective():
+            self.tp.send(("call", method.__name__, args, kwargs))
+            self._in_call = True
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._in_call = False
+    return call
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, layers: list[AttentionLayer],
                  groups: list[KVCacheGroup], block_size: int, device: torch.device, seed: int = 0,
-                 compile_model: bool = False):
+                 compile_model: bool = False, tp=None):
         self.model = model
+        self.tp = tp  # a parallel.TensorParallelGroup, or None
+        self._in_call = False  # rank 0 inside an @_on_every_rank call: its steps are not sent
+        self.share_sampled_tokens = False  # rank 0 sends each step's tokens (async scheduling)
+        self._shared_tokens = None  # other ranks: the last step's tokens from rank 0
         self.compile_model = compile_model
         self._logits = compilation.compile_forward() if compile_model else compilation.model_logits
         self.compile_mark = None  # set when start-up ends: compilations after it are logged
@@ -70,6 +98,7 @@ class ModelRunner:
         self.last_graph_bucket: int | None = None  # of the last step; None: it ran without a graph
         self.time_steps = False  # CUDA events around each step's device work (record_steps)
 
+    @_on_every_rank
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.graphs = {}  # captured over the old tensors
         self.kv_caches = {}  # free the old tensors first
@@ -82,6 +111,10 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledSeq]):
         """(input_ids, positions, per-group metadata, token index of each sampling request)."""
         x = self.input_batch.prepare(scheduled)
+        return x.input_ids, x.positions, self._metadata(x), x.sample_idx
+
+    def _metadata(self, x: StepInputs) -> list:
+        """Each KV-cache group's backend metadata of a step."""
         shared = dict(
             query_start_loc=x.query_start_loc, seq_lens=x.seq_lens, num_computed_tokens=x.num_computed_tokens,
             query_start_loc_cpu=x.query_start_loc_cpu, seq_lens_cpu=x.seq_lens_cpu,
@@ -92,7 +125,7 @@ class ModelRunner:
                                                           slot_mapping=x.slot_mappings[g], **shared))
                     for g, builder in enumerate(self.builders)]
         self.input_batch.copies_issued()  # the builders may have copied from the host buffers too
-        return x.input_ids, x.positions, metadata, x.sample_idx
+        return metadata
 
     # ---- step ------------------------------------------------------------------------------------
 
@@ -117,21 +150,65 @@ class ModelRunner:
         if self.time_steps and self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        self.last_graph_bucket = self._graph_bucket(scheduled)
-        if self.last_graph_bucket is not None:
-            logits = self._replay(scheduled, pending)
-        else:
-            input_ids, positions, metadata, sample_idx = self._prepare(scheduled)
-            if pending is not None:
-                input_ids = _to_device(input_ids, self.device)
-                pending.feed(input_ids, scheduled)
-            logits = self.forward(input_ids, positions, metadata, sample_idx)
-        if not sampling:
-            return SampledTokens([], None, started)
-        generators = generators or {}
-        tokens = self.sampler.sample(logits, [seq.sampling_params for seq in sampling],
-                                     [generators.get(seq.seq_id) for seq in sampling])
+        bucket = self._graph_bucket(scheduled)
+        host = (self.input_batch.fill(scheduled) if bucket is None
+                else self.input_batch.fill_decode(scheduled, bucket))
+        feed = pending.feed_index(scheduled) if pending is not None else None
+        sends = self._sends()
+        share = len(sampling) if self.share_sampled_tokens and sends else 0
+        with self.tp.collective() if sends else contextlib.nullcontext():
+            if sends:
+                self.tp.send(("step", host, host.sample_idx, feed, share))
+            logits = self.run_step(host, host.sample_idx, feed, pending.device if pending is not None else None)
+            if not sampling or (self.tp is not None and not self.tp.is_driver):
+                return SampledTokens([], None, started)
+            generators = generators or {}
+            tokens = self.sampler.sample(logits, [seq.sampling_params for seq in sampling],
+                                         [generators.get(seq.seq_id) for seq in sampling])
+            if share:
+                self.tp.share_tokens(tokens)
         return SampledTokens([seq.seq_id for seq in sampling], tokens, started)
+
+    @torch.inference_mode()
+    def logits_at(self, scheduled: list[ScheduledSeq], rows: list[int]) -> torch.Tensor:
+        """Run one step without sampling: the logits (len(rows), vocab) at the given flattened
+        token indices (no LM head when rows is empty)."""
+        host = self.input_batch.fill(scheduled)
+        if not self._sends():
+            return self.run_step(host, rows)
+        with self.tp.collective():
+            self.tp.send(("step", host, rows, None, 0))
+            return self.run_step(host, rows)
+
+    def _sends(self) -> bool:
+        """Whether this runner sends its steps to other ranks (rank 0, outside a start-up call)."""
+        return self.tp is not None and self.tp.is_driver and not self._in_call
+
+    def run_step(self, host: StepHost, logits_index: list[int], feed=None,
+                 tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The device half of a step: inputs to the device, forward (or graph replay), logits at
+        logits_index. feed/tokens: the placeholders' tokens of the step before (sampled.py)."""
+        self.last_graph_bucket = host.bucket
+        if host.bucket is not None:
+            self.input_batch.to_static(host, self.static)
+            apply_feed(self.static["input_ids"], feed, tokens)
+            graph, logits = self.graphs[host.bucket]
+            graph.replay()
+            return logits[:host.num_reqs]
+        x = self.input_batch.upload(host)
+        metadata = self._metadata(x)
+        input_ids = x.input_ids
+        if feed is not None:
+            input_ids = _to_device(input_ids, self.device)
+            apply_feed(input_ids, feed, tokens)
+        return self.forward(input_ids, x.positions, metadata, logits_index)
+
+    @torch.inference_mode()
+    def worker_step(self, host: StepHost, logits_index: list[int], feed, share: int) -> None:
+        """A rank other than 0: run the step rank 0 sent (its logits are rank 0's to sample)."""
+        self.run_step(self.input_batch.load(host), logits_index, feed, self._shared_tokens)
+        if share:
+            self._shared_tokens = self.tp.receive_tokens(share)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: list,
                 sample_idx: list[int]) -> torch.Tensor:
@@ -173,6 +250,7 @@ class ModelRunner:
             batch.append(ScheduledSeq(seq, n, computed > 0 and n == 1, computed))
         return batch
 
+    @_on_every_rank
     @torch.inference_mode()
     def dummy_prefill(self, num_tokens: int, max_model_len: int) -> None:
         """A prefill step of num_tokens tokens (prompts of at most max_model_len) on a one-block
@@ -186,6 +264,7 @@ class ModelRunner:
 
     # ---- memory profiling (CUDA) -----------------------------------------------------------------
 
+    @_on_every_rank
     @torch.inference_mode()
     def profile_free_memory(self, gpu_memory_utilization: float, num_tokens: int,
                             max_model_len: int) -> int:
@@ -200,6 +279,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info()
         activations = peak - torch.cuda.memory_allocated()
         available = int(gpu_memory_utilization * total - (total - free) - activations)
+        if self.tp is not None:  # one cache size on every rank: what the fullest GPU leaves
+            available = self.tp.min(available)
         logger.info("memory profile: %.2f GiB total, %.2f GiB in use, %.2f GiB activation peak "
                     "-> %.2f GiB for the KV cache at gpu_memory_utilization=%.2f", total / 2**30,
                     (total - free) / 2**30, activations / 2**30, available / 2**30,
@@ -213,6 +294,7 @@ class ModelRunner:
             return None
         return next((b for b in sorted(self.graphs) if b >= len(scheduled)), None)
 
+    @_on_every_rank
     @torch.inference_mode()
     def capture_cudagraphs(self, max_num_seqs: int, max_model_len: int) -> None:
         eager = sorted({g.backend.name for g in self.groups if not g.backend.cudagraph_decode})
@@ -261,12 +343,3 @@ class ModelRunner:
             self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", buckets)
-
-    def _replay(self, scheduled: list[ScheduledSeq], pending: SampledTokens | None = None) -> torch.Tensor:
-        bucket, n = self._graph_bucket(scheduled), len(scheduled)
-        self.input_batch.prepare_decode(scheduled, bucket, self.static)
-        if pending is not None:
-            pending.feed(self.static["input_ids"], scheduled)
-        graph, logits = self.graphs[bucket]
-        graph.replay()
-        return logits[:n]

@@ -50,10 +50,11 @@ class SampledTokens:
             self._event.synchronize()
         return self._host.tolist()
 
-    def feed(self, input_ids: torch.Tensor, scheduled) -> None:
-        """Write into a step's flattened input_ids (on its device) the tokens of this step that
-        its scheduled chunks end with (the placeholders; a placeholder is only ever a
-        sequence's last token)."""
+    def feed_index(self, scheduled) -> tuple[list[int], list[int]] | None:
+        """Where this step's tokens go in the next step's flattened input_ids (the placeholders
+        its scheduled chunks end with; a placeholder is only ever a sequence's last token):
+        (token index of each placeholder, row of its token here), or None when there is none.
+        :func:`apply_feed` writes them on the device."""
         dst, src, t = [], [], 0
         for s in scheduled:
             t += s.num_scheduled_tokens
@@ -64,9 +65,15 @@ class SampledTokens:
                                        f"in flight sampled")
                 dst.append(t - 1)
                 src.append(row)
-        if dst:
-            index = torch.tensor([dst, src], dtype=torch.int64)
-            if input_ids.is_cuda:
-                index = index.pin_memory().to(input_ids.device, non_blocking=True)
-            input_ids.index_copy_(0, index[0], self.device.index_select(0, index[1]))
+        return (dst, src) if dst else None
 
+
+def apply_feed(input_ids: torch.Tensor, index: tuple[list[int], list[int]] | None,
+               tokens: torch.Tensor | None) -> None:
+    """input_ids[dst] = tokens[src] for a feed_index; on the device, without a host sync."""
+    if index is None:
+        return
+    index = torch.tensor(index, dtype=torch.int64)
+    if input_ids.is_cuda:
+        index = index.pin_memory().to(input_ids.device, non_blocking=True)
+    input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))

@@ -10,6 +10,7 @@ from tqattn.models.loader import (
     DEFAULT_MODEL_INSTALL,
     LoadedModel,
     default_model_path,
+    load_config,
     load_model,
 )
 
@@ -20,6 +21,7 @@ __all__ = [
     "ModelInfo",
     "default_model_path",
     "list_model_configs",
+    "load_config",
     "load_model",
     "model_config_path",
     "model_info",

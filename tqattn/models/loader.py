@@ -17,6 +17,11 @@ GGUF cache: de-quantizing a GGUF and converting its tokenizer is slow (SmolLM2-1
 config + tokenizer) under $TQATTN_CACHE_DIR (default ~/.cache/tqattn)/gguf/, keyed by the
 file's path, size and mtime; later loads read that directory (~1 s). Pass gguf_cache=False to
 bypass it. The cached weights are exactly the de-quantized ones, so results are unchanged.
+
+Tensor parallelism (``tensor_parallel_size`` > 1, in a process that has joined the process
+group): a safetensors directory is read shard by shard (each rank reads only its slices); dummy
+and GGUF weights are built whole on each rank, identically, then re-loaded as the rank's shard
+(:func:`tqattn.models.sharding.shard`) — the whole model must fit one device for a moment.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 from tqattn.paths import cache_root
 from tqattn.models.configs import list_model_configs, model_config_path
 from tqattn.models.info import ModelInfo, model_info
+from tqattn.models.sharding import shard, tp_load_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +96,7 @@ def load_model(
     seed: int = 0,
     max_model_len: int | None = None,
     gguf_cache: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {list(LOAD_FORMATS)}")
@@ -122,8 +129,14 @@ def load_model(
             )
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         torch_dtype = _resolve_dtype(dtype, config, device)
+        tp = {}
+        if tensor_parallel_size > 1:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+            prefix = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].base_model_prefix
+            tp = tp_load_kwargs(config, prefix, tensor_parallel_size)
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=torch_dtype, local_files_only=True
+            path, config=config, dtype=torch_dtype, local_files_only=True, **tp
         )
         tokenizer = _maybe_tokenizer(path)
         resolved = "safetensors"
@@ -132,6 +145,8 @@ def load_model(
             f"{model!r} is a config without weights; load it with load_format='dummy' for random weights"
         )
 
+    if tensor_parallel_size > 1 and resolved != "safetensors":
+        hf_model = shard(hf_model.to(device), tensor_parallel_size)
     hf_model = hf_model.to(device).eval()
     config = hf_model.config
     limit = model_info(config).max_position_embeddings
@@ -151,6 +166,16 @@ def load_model(
         load_format=resolved,
         path=path,
     )
+
+
+def load_config(model: str | os.PathLike, load_format: str = "auto") -> Any:
+    """A model source's transformers config, without its weights (what load_model would load)."""
+    kind, path = _resolve_source(str(model))
+    if kind == "config" and load_format != "dummy":
+        raise ValueError(
+            f"{model!r} is a config without weights; load it with load_format='dummy' for random weights"
+        )
+    return _read_config(kind, path)
 
 
 def _transformers():

@@ -61,7 +61,8 @@ def test_skip_rules_that_leave_no_turboquant_layer_are_an_error():
 
 def test_full_precision_layers_by_rule():
     rules = selector.full_precision_layers(8, GEMMA, ["sliding_window", "3"], boundary_layers=1)
-    assert rules == {"skip_layers": [3], "sliding_window": [0, 1, 2, 4, 5, 6], "boundary_layers": [0, 7]}
+    assert rules == {"skip_layers": [3], "sliding_window": [0, 1, 2, 4, 5, 6],
+                     "boundary_layers": [0, 7], "auto": []}
     assert selector.describe_full_precision(rules, 8).startswith("8 of 8 layers (skip_layers: 3; ")
     none = selector.full_precision_layers(8, FULL)
     assert selector.describe_full_precision(none, 8) == "0 of 8 layers"
@@ -84,7 +85,7 @@ def test_rules_combine():
     (8, r"entry 8 is out of range for a model with 8 layers; allowed: a layer index 0\.\.7"),
     (-1, "entry -1 is out of range"),
     ("12", "entry '12' is out of range"),
-    ("sliding", r"entry 'sliding' is not understood; allowed: .*'sliding_window'"),
+    ("sliding", r"entry 'sliding' is not understood; allowed: .*'sliding_window' or 'auto'"),
     ("1.5", "entry '1.5' is not understood"),
     (True, "entry True is not understood"),
     (None, "entry None is not understood"),
@@ -92,6 +93,49 @@ def test_rules_combine():
 def test_bad_skip_entries(entry, match):
     with pytest.raises(ValueError, match=match):
         resolve_kv_cache_dtypes(8, FULL, P, [entry])
+
+
+def test_auto_entry_takes_the_calibrations_layers():
+    assert fp_layers(resolve_kv_cache_dtypes(8, FULL, P, ["auto", 5], auto_layers=[0])) == [0, 5]
+    assert fp_layers(resolve_kv_cache_dtypes(8, FULL, P, "auto", auto_layers=[])) == []
+    # the auto layers count only when asked for
+    assert fp_layers(resolve_kv_cache_dtypes(8, FULL, P, [5], auto_layers=[0])) == [5]
+    rules = selector.full_precision_layers(8, FULL, ["auto"], auto_layers=[2])
+    assert selector.describe_full_precision(rules, 8) == "1 of 8 layers (auto: 2)"
+    with pytest.raises(ValueError, match="has 'auto', which needs the layers the start-up "
+                                         "calibration chose"):
+        resolve_kv_cache_dtypes(8, FULL, P, ["auto"])
+    # a full-precision cache has nothing to route
+    assert resolve_kv_cache_dtypes(8, FULL, "auto", ["auto"]) == ["auto"] * 8
+    assert selector.wants_auto_layers(["auto"]) and selector.wants_auto_layers(" auto ")
+    assert not selector.wants_auto_layers([0, "sliding_window"])
+
+
+# errors like the calibration's of Qwen2.5-Coder-0.5B (tq_k4v3, centered) and SmolLM2-135M
+QWEN_LIKE = [8.2, 0.029, 0.017, 0.044, 0.048, 0.039, 0.049, 0.069, 0.053, 0.077, 0.047, 0.065]
+SMOL_LIKE = [0.009, 0.015, 0.016, 0.015, 0.02, 0.03, 0.051, 0.02, 0.026, 0.028, 0.017, 0.021]
+
+
+def test_auto_layers_pick_outliers_only():
+    layers, why = selector.auto_full_precision_layers(QWEN_LIKE, range(12), 392, 0.2 * 24 * 120)
+    assert layers == [0]
+    assert why.startswith("automatic routing keeps 1 layer(s) full precision: layer 0 (8.2 nats)")
+    layers, why = selector.auto_full_precision_layers(SMOL_LIKE, range(12), 392, 1e9)
+    assert layers == [] and "the worst, layer 6, has attention KL 0.051" in why
+    # a fine codec's small errors are not worth bytes, however uneven
+    fine = [0.001] * 11 + [0.05]
+    assert selector.auto_full_precision_layers(fine, range(12), 392, 1e9)[0] == []
+
+
+def test_auto_layers_respect_the_budget_and_the_candidates():
+    errs = [5.0, 0.02, 3.0, 0.02, 0.02, 0.02, 0.02, 1.0]
+    assert selector.auto_full_precision_layers(errs, range(8), 100, 1000)[0] == [0, 2, 7]
+    layers, why = selector.auto_full_precision_layers(errs, range(8), 100, 250)
+    assert layers == [0, 2] and "over the budget stay compressed: layer 7 (1 nats)" in why
+    assert selector.auto_full_precision_layers(errs, range(8), 100, 99)[0] == []
+    # layers another rule already keeps are not judged (nor counted in the median)
+    assert selector.auto_full_precision_layers(errs, [1, 2, 3, 4], 100, 1000)[0] == [2]
+    assert selector.auto_full_precision_layers(errs, [], 100, 1000)[0] == []
 
 
 def test_bad_arguments():

@@ -31,16 +31,20 @@ UNORDERED = [(0, 30), (20, 1), (5, 9), (3, 1), (0, 1)]
 
 
 def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, threshold=None, device="cpu",
-             fused=False):
+             fused=False, key_offset=None):
     """Store every request's history, run one step; return (out, reference, ...). fused: the
     step through ``store_and_forward`` (decode-only steps store inside the decode).
 
     Reference = the rule: tokens of earlier steps decoded from their stored slots, the chunk
-    raw; a one-token chunk reads its own (stored) token compressed too.
+    raw; a one-token chunk reads its own (stored) token compressed too. ``key_offset`` (Hk, D):
+    the layer centers its keys; the reference adds it back to the decoded keys and reads the
+    chunk's keys as they came, so it is the un-centered attention over the same codes.
     """
     gen = torch.Generator().manual_seed(seed)
     batch = make_batch(reqs, pad=pad, gen=gen, device=device)
     impl = TurboQuantImpl(s, fa_version=fa_version)
+    if key_offset is not None:
+        impl.set_key_offset(key_offset, device)
     builder = TurboQuantMetadataBuilder({s.name: impl}, device)
     if threshold is not None:
         builder.dequant_threshold = threshold
@@ -68,6 +72,8 @@ def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, threshold=None, device=
     for b, (c, n) in enumerate(reqs):
         a, e = qsl[b], qsl[b + 1]
         kc, vc = codec.folded().decode(slots[b])  # page slots: "nc" norms folded
+        if key_offset is not None:
+            kc = kc + key_offset.float()
         if n > 1:
             kc, vc = torch.cat([kc[:c], k[a:e].float()]), torch.cat([vc[:c], v[a:e].float()])
         ref[a:e] = attention(q[a:e], kc, vc, batch.q_pos[b], torch.arange(c + n), s.scale,

@@ -35,11 +35,29 @@ def test_flags_reach_engine_args_and_sampling_params():
         "--top-k", "5", "--stop", "a", "--stop", "\n\n", "--stop-token-ids", "3,4", "--ignore-eos"])
     kw = arg_utils.engine_kwargs_from_args(args)
     assert kw["kv_cache_dtype_skip_layers"] == [0, "sliding_window"]
+    assert kw["kv_cache_key_centering"] is None and kw["kv_cache_auto_skip_budget"] == 0.2
     assert (kw["max_model_len"], kw["block_size"], kw["enable_prefix_caching"]) == (64, 32, False)
     assert kw["kv_cache_memory_bytes"] == 1536 * 1024 and kw["enforce_eager"] and kw["seed"] == 7
     sp = arg_utils.sampling_params_from_args(args)
     assert sp == SamplingParams(temperature=0.5, top_p=0.9, top_k=5, max_tokens=9, min_tokens=2,
                                 stop=["a", "\n\n"], stop_token_ids=[3, 4], ignore_eos=True, seed=7)
+
+
+def test_routing_flags():
+    kw = arg_utils.engine_kwargs_from_args(_parser().parse_args([]))
+    assert kw["kv_cache_dtype_skip_layers"] == ["auto"]   # the same default as the API's
+    kw = arg_utils.engine_kwargs_from_args(_parser().parse_args([
+        "--kv-cache-dtype-skip-layers", "none", "--no-kv-cache-key-centering",
+        "--kv-cache-auto-skip-budget", "0.5"]))
+    assert kw["kv_cache_dtype_skip_layers"] == [] and kw["kv_cache_key_centering"] is False
+    assert kw["kv_cache_auto_skip_budget"] == 0.5
+    kw = arg_utils.engine_kwargs_from_args(_parser().parse_args([
+        "--kv-cache-dtype-skip-layers", "auto,3", "--kv-cache-key-centering"]))
+    assert kw["kv_cache_dtype_skip_layers"] == ["auto", 3] and kw["kv_cache_key_centering"]
+    with pytest.raises(ValueError, match="kv_cache_auto_skip_budget must be a number >= 0"):
+        EngineArgs(kv_cache_auto_skip_budget=-1)
+    with pytest.raises(ValueError, match="kv_cache_key_centering must be True, False or None"):
+        EngineArgs(kv_cache_key_centering="yes")
 
 
 def test_command_line_sampling_defaults_are_greedy_64_tokens():
@@ -60,7 +78,7 @@ def test_byte_counts(text, value):
     ("--max-model-len", "0"), ("--kv-cache-boundary-layers", "-1"), ("--gpu-memory-utilization", "0"),
     ("--device", "cuda:x"), ("--device", "mps"), ("--kv-cache-dtype", "turboquant_2bit"),
     ("--max-tokens", "1.5"), ("--min-tokens", "-1"), ("--temperature", "nan"), ("--top-p", "0"),
-    ("--top-k", "-2"), ("--stop-token-ids", "1,a"),
+    ("--top-k", "-2"), ("--stop-token-ids", "1,a"), ("--kv-cache-auto-skip-budget", "-0.1"),
 ])
 def test_bad_values_fail_at_parse_time_naming_the_value(flag, value, capsys):
     with pytest.raises(SystemExit):

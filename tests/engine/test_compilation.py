@@ -18,7 +18,8 @@ from tqattn import LLM, SamplingParams  # noqa: E402
 
 SMALL = dict(load_format="dummy", max_model_len=160, max_num_seqs=4, max_num_batched_tokens=64,
              enable_prefix_caching=False)
-PARTS = {"load", "compile", "kv_cache", "warmup", "cudagraph_capture", "total"}
+PARTS = {"load", "calibration", "compile", "kv_cache", "warmup", "cudagraph_capture",
+         "total"}
 
 
 @pytest.fixture(scope="module")

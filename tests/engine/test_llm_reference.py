@@ -6,7 +6,9 @@ TurboQuant layers keep ``codec.folded().decode(codec.encode(k, v, fold_nc=True))
 reading a compressed page slot gives), full-precision layers the raw K/V. It follows the
 backends' rule: tokens stored by earlier steps are read from that history; the K/V of the
 step's own chunk are read raw, except that a one-token chunk is stored first and attends to
-itself compressed.
+itself compressed. ``key_offsets`` (per layer an (Hk, D) tensor or None, the engine's): a
+centered TurboQuant layer encodes k − μ and reads back the decoded keys + μ (the raw chunk as it
+came), which is the un-centered attention over the codes a centering engine writes.
 
 ``record_chunks`` spies on an engine's model runner to get the chunking each request saw.
 """
@@ -54,8 +56,9 @@ def _dense(q, k, v, q_pos, scale, window, softcap):
 class _State:
     """The history of the request being run: per layer, the K/V the cache would return."""
 
-    def __init__(self, kv_dtypes):
+    def __init__(self, kv_dtypes, key_offsets=None):
         self.kv_dtypes = kv_dtypes
+        self.key_offsets = key_offsets
         self.k = defaultdict(list)
         self.v = defaultdict(list)
 
@@ -73,8 +76,12 @@ class _State:
         if preset == "auto":
             return k, v
         codec = get_codec(preset, k.shape[-1])
+        mu = None if self.key_offsets is None else self.key_offsets[layer]
+        mu = 0.0 if mu is None else mu.to(k.dtype)
         # the paged cache's form: "nc" norms folded (tqattn.quant.paged)
-        return codec.folded().decode(codec.encode(k, v, on_nonfinite="propagate", fold_nc=True))
+        k_hat, v_hat = codec.folded().decode(codec.encode(k - mu, v, on_nonfinite="propagate",
+                                                          fold_nc=True))
+        return k_hat + mu, v_hat
 
 
 _current: _State | None = None
@@ -96,15 +103,22 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     return out.to(query.dtype).unsqueeze(0), None
 
 
+def engine_key_offsets(llm):
+    """The key offsets a ``tqattn.LLM`` centers its keys by, or None."""
+    return llm.llm_engine.key_plan.key_offsets
+
+
 class ChunkedReference:
-    def __init__(self, name, kv_dtypes, **load_kwargs):
+    def __init__(self, name, kv_dtypes, key_offsets=None, **load_kwargs):
         from transformers import AttentionInterface
 
         AttentionInterface.register(REF_IMPL, _reference_attention)
-        self.lm = load_model(name, load_format="dummy", **load_kwargs)
+        load_kwargs.setdefault("load_format", "dummy")
+        self.lm = load_model(name, **load_kwargs)
         self.lm.model.set_attn_implementation(REF_IMPL)
         n = self.lm.info.num_layers
         self.kv_dtypes = [kv_dtypes] * n if isinstance(kv_dtypes, str) else list(kv_dtypes)
+        self.key_offsets = key_offsets
 
     @torch.inference_mode()
     def _run_chunk(self, st, ids, start):
@@ -121,7 +135,7 @@ class ChunkedReference:
         """Greedy tokens of one request; chunks = [(start, n), ...] in the order the engine ran
         them (None: the whole prompt, then one token at a time)."""
         tokens, out = list(prompt), []
-        st = _State(self.kv_dtypes)
+        st = _State(self.kv_dtypes, self.key_offsets)
         chunks = list(chunks) if chunks is not None else None
         while len(out) < max_tokens:
             if chunks is None:

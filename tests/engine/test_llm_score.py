@@ -32,10 +32,11 @@ def _hf_logprobs(ids):
 
 
 @torch.inference_mode()
-def _chunked_reference_logprobs(preset, ids, chunk):
+def _chunked_reference_logprobs(preset, ids, chunk, key_offsets=None, name="llama-tiny",
+                                **load_kwargs):
     """All positions' log-probs of the chunked reference (history decoded from the codec)."""
-    ref = reference.ChunkedReference("llama-tiny", preset)
-    st, rows = reference._State(ref.kv_dtypes), []
+    ref = reference.ChunkedReference(name, preset, **load_kwargs)
+    st, rows = reference._State(ref.kv_dtypes, key_offsets), []
     reference._current = st
     try:
         for s in range(0, len(ids), chunk):
@@ -64,7 +65,8 @@ def test_turboquant_reads_compressed_history():
     lp = llm.score(IDS, chunk_size=chunk, logprobs_start=0)
     assert _all_free(llm)
     # exactly the chunked reference: earlier chunks compressed, the own chunk raw
-    torch.testing.assert_close(lp, _chunked_reference_logprobs(preset, IDS, chunk), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(lp, _chunked_reference_logprobs(
+        preset, IDS, chunk, reference.engine_key_offsets(llm)), atol=2e-4, rtol=1e-4)
     exact = _hf_logprobs(IDS)
     # the first chunk sees no compressed history; later ones differ from full precision, slightly
     torch.testing.assert_close(lp[:chunk], exact[:chunk], atol=2e-5, rtol=1e-5)

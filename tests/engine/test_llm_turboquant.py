@@ -11,7 +11,8 @@ from tqattn import LLM, SamplingParams  # noqa: E402
 from tqattn.attention.flash_attn import FlashAttentionMetadataBuilder  # noqa: E402
 from tqattn.engine.scheduler import Scheduler  # noqa: E402
 
-from .test_llm_reference import ChunkedReference, _one_thread, random_prompts, record_chunks  # noqa: E402,F401
+from .test_llm_reference import (ChunkedReference, _one_thread, engine_key_offsets,  # noqa: E402,F401
+                                 random_prompts, record_chunks)
 
 SMALL = dict(load_format="dummy", max_model_len=128, max_num_seqs=4)
 N = 12
@@ -28,10 +29,29 @@ def _run(name, prompts, **kwargs):
     return llm, [o.outputs[0].token_ids for o in outputs], [chunks[o.request_id] for o in outputs]
 
 
-def _check_against_reference(name, kv_dtypes, prompts, tokens, chunks):
-    ref = ChunkedReference(name, kv_dtypes)
-    for prompt, toks, ch in zip(prompts, tokens, chunks):
-        assert toks == ref.generate(prompt, N, ch), ch
+def _donor_chunks(prompts, chunks, r):
+    """A prefix-cache hit reads blocks another request wrote: that request's chunks up to the
+    hit, so the reference computes the prefix's K/V as the engine did (the codes of K/V that an
+    earlier chunk saw compressed are not those of one whole-prefix chunk)."""
+    start = chunks[r][0][0]
+    if start == 0:
+        return []
+    for d, ch in enumerate(chunks):
+        if d != r and ch[0][0] == 0 and prompts[d][:start] == prompts[r][:start]:
+            out, done = [], 0
+            for a, n in ch:
+                if a == done and done < start:
+                    out.append((a, min(n, start - a)))
+                    done = a + out[-1][1]
+            if done == start:
+                return out
+    return []
+
+
+def _check_against_reference(name, kv_dtypes, prompts, tokens, chunks, llm):
+    ref = ChunkedReference(name, kv_dtypes, engine_key_offsets(llm))
+    for r, (prompt, toks, ch) in enumerate(zip(prompts, tokens, chunks)):
+        assert toks == ref.generate(prompt, N, _donor_chunks(prompts, chunks, r) + ch), ch
 
 
 @pytest.mark.parametrize("name,preset", [("llama-tiny", "turboquant_k3v4_nc"),
@@ -42,7 +62,7 @@ def test_equals_chunked_reference(name, preset):
     prompts = random_prompts([1, 16, 17, 40])
     llm, tokens, chunks = _run(name, prompts, kv_cache_dtype=preset)
     assert llm.kv_cache_plan["backends"] == {"TURBOQUANT": llm.llm_engine.model_info.num_layers}
-    _check_against_reference(name, preset, prompts, tokens, chunks)
+    _check_against_reference(name, preset, prompts, tokens, chunks, llm)
 
 
 SHARED = random_prompts([40], seed=7)[0]
@@ -59,8 +79,8 @@ def test_scheduling_follows_the_reference(config, monkeypatch):
     if "num_gpu_blocks_override" in config:  # admission without a reserve for growth: preemptions
         monkeypatch.setattr(Scheduler, "_fits_with_reserve", lambda *a: True)
     preset = "turboquant_4bit_nc"
-    _, tokens, chunks = _run("gemma3-tiny", PROMPTS, kv_cache_dtype=preset, **config)
-    _check_against_reference("gemma3-tiny", preset, PROMPTS, tokens, chunks)
+    llm, tokens, chunks = _run("gemma3-tiny", PROMPTS, kv_cache_dtype=preset, **config)
+    _check_against_reference("gemma3-tiny", preset, PROMPTS, tokens, chunks, llm)
     if config.get("enable_prefix_caching") is False:
         assert any(s == 0 for ch in chunks for s, _ in ch[1:])  # some request was recomputed
 
@@ -75,7 +95,7 @@ def test_prefix_cache_hits_and_batching():
     # the second run continues from the compressed blocks of the first
     assert [o.num_cached_tokens for o in again] == [32, 48, 48, 0]
     tokens = [o.outputs[0].token_ids for o in again]
-    _check_against_reference("qwen3-tiny", preset, PROMPTS, tokens, [chunks[o.request_id] for o in again])
+    _check_against_reference("qwen3-tiny", preset, PROMPTS, tokens, [chunks[o.request_id] for o in again], llm)
     # where the quantized history is the same, the outputs are: batching changes nothing
     _, alone, _ = _run("qwen3-tiny", PROMPTS, kv_cache_dtype=preset, max_num_seqs=1,
                        enable_prefix_caching=False)
@@ -105,7 +125,7 @@ def test_mixed_routing_on_gemma3(routing, expected):
     fa = [b for b in engine.runner.builders if isinstance(b, FlashAttentionMetadataBuilder)][0]
     windows = {(7, 0) if i < 3 else (-1, 0) for i, e in enumerate(expected) if e == "auto"}
     assert fa.sliding_window_configs() == windows
-    _check_against_reference("gemma3-tiny", kv_dtypes, prompts, tokens, chunks)
+    _check_against_reference("gemma3-tiny", kv_dtypes, prompts, tokens, chunks, llm)
 
 
 def test_cache_plan():
@@ -135,5 +155,5 @@ def test_head_sizes_whose_codes_are_not_whole_words(tmp_path, head_dim, preset):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     prompts = random_prompts([5, 21], seed=head_dim)
-    _, tokens, chunks = _run(str(path), prompts, kv_cache_dtype=preset)
-    _check_against_reference(str(path), preset, prompts, tokens, chunks)
+    llm, tokens, chunks = _run(str(path), prompts, kv_cache_dtype=preset)
+    _check_against_reference(str(path), preset, prompts, tokens, chunks, llm)

@@ -316,8 +316,8 @@ def test_engine_startup_with_the_precompile(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="tqattn.engine"):
         engine = LLM("qwen3-tiny", compile_model=True, **small).llm_engine
     times = engine.startup_times
-    assert list(times) == ["load", "compile", "kv_cache", "precompile", "warmup",
-                           "cudagraph_capture", "total"]
+    assert list(times) == ["load", "calibration", "compile", "kv_cache", "precompile",
+                           "warmup", "cudagraph_capture", "total"]
     assert abs(sum(v for k, v in times.items() if k != "total") - times["total"]) < 0.05
     # the capture runs the steps one at a time, the warm-up all of them
     assert runs == [1] * runs[-1] + [runs[-1]] and pool.closed

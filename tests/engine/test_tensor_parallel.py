@@ -23,8 +23,11 @@ from tqattn.engine.parallel import TensorParallelError
 from tqattn.models.sharding import split_heads
 
 ROOT = Path(__file__).resolve().parents[2]
+# No start-up calibration with tensor parallelism yet: one process compresses like the ranks
+# (every layer, uncentered) only with centering and automatic routing off.
 ENGINE = dict(load_format="dummy", device="cpu", max_model_len=256, kv_cache_memory_bytes=1 << 22,
-              max_num_seqs=4, max_num_batched_tokens=64)
+              max_num_seqs=4, max_num_batched_tokens=64, kv_cache_key_centering=False,
+              kv_cache_dtype_skip_layers=[])
 # Short prompts, one over the 64-token step budget (chunked prefill, mixed steps).
 PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate([5, 30, 90])]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -92,6 +95,12 @@ def test_split_heads_shards_replicates_or_refuses():
 def test_engine_args_reject_a_bad_tensor_parallel_size(bad):
     with pytest.raises(ValueError, match=rf"tensor_parallel_size must be a positive integer.*{bad!r}"):
         EngineArgs(model="llama-tiny", tensor_parallel_size=bad)
+
+
+def test_key_centering_on_request_is_refused_with_tensor_parallelism():
+    with pytest.raises(ValueError, match=r"kv_cache_key_centering=True needs the start-up "
+                                         r"calibration.*tensor_parallel_size=2"):
+        EngineArgs(model="llama-tiny", tensor_parallel_size=2, kv_cache_key_centering=True)
 
 
 @pytest.mark.parametrize("tp, message", [

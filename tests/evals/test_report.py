@@ -81,7 +81,53 @@ def test_run_report_end_to_end(tmp_path, monkeypatch, fake_params):
     assert not any(c["preset"] == "tq_k4v4" for c in rep["comparisons"])  # more bytes than base
     out = tmp_path / "out"
     md = (out / "report.md").read_text()
-    assert "| smol | tq_k3v4 | 5400 |" in md and "Paired comparisons" in md
+    assert "| smol | tq_k3v4 | none | – | 5400 |" in md and "Paired comparisons" in md
     assert json.loads((out / "report.json").read_text())["rows"][1]["preset"] == "tq_k3v4"
     assert (out / "quality_vs_bits.png").stat().st_size > 1000
     assert (out / "niah_smol_tq_k3v4.png").is_file()
+
+
+def test_routing_variants_are_rows_paired_against_the_default(tmp_path, monkeypatch, fake_params):
+    """A variant is its preset with other engine arguments; the bytes of every row come from the
+    routing the engine reported (automatic routing decides it at start-up)."""
+    monkeypatch.setenv("TQATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(report.ppl, "source_text", lambda s, n: "abcdefg hij. " * (n // 8 + 100))
+    built = []
+
+    class Routed(FakeLLM):
+        def __init__(self, kv, **engine_args):
+            skip = engine_args.get("kv_cache_dtype_skip_layers", ["auto"])
+            # the default routing keeps layer 0 (as automatic routing does on Qwen2.5)
+            fp = list(range(30)) if kv == "auto" else [0] if skip == ["auto"] else list(skip)
+            super().__init__("good" if skip == ["auto"] else "bad" if kv != "auto" else kv)
+            self.kv_cache_plan = {"full_precision_layers": fp}
+            if kv != "auto":  # the default routing centers layer 1 (calibration's choice)
+                self.kv_cache_plan["centered_layers"] = [1] if skip == ["auto"] else []
+            built.append((kv, engine_args))
+
+    plan = {"baseline": "turboquant_k3v4_nc", "presets": ["tq_k4v3"],
+            "models": [{"name": "smol", "model": "default",
+                        "variants": {"all layers": {"kv_cache_dtype_skip_layers": [],
+                                                    "kv_cache_key_centering": False}},
+                        "variant_presets": ["tq_k4v3"],
+                        "ppl": [{"context_len": 256, "chunk_size": 64, "min_tokens": 800,
+                                 "block_tokens": 96}]}]}
+    report.validate_plan(plan)
+    rep = report.run_report(plan, tmp_path / "out", factories={"default": Routed})
+    rows = {r["preset"]: r for r in rep["rows"]}
+    assert list(rows) == ["auto", "tq_k4v3", "turboquant_k3v4_nc", "tq_k4v3 [all layers]"]
+    assert ("tq_k4v3", {"kv_cache_dtype_skip_layers": [], "kv_cache_key_centering": False}) in built
+    assert rows["tq_k4v3"]["full_precision_layers"] == [0]
+    assert rows["tq_k4v3"]["bytes_per_token"] == 3 * (256 + 29 * 60)
+    assert rows["tq_k4v3 [all layers]"]["bytes_per_token"] == 30 * 3 * 60
+    assert rows["tq_k4v3 [all layers]"]["variant"] == "all layers"
+    assert rows["tq_k4v3"]["centered_layers"] == [1] and rows["auto"]["centered_layers"] is None
+    vc = rep["variant_comparisons"]
+    assert [(c["preset"], c["variant"], c["spec"]) for c in vc] == \
+        [("tq_k4v3", "tq_k4v3 [all layers]", "pooled")]
+    assert vc[0]["kl_diff"]["high"] < 0          # the "good" default beats the "bad" variant
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| smol | tq_k4v3 [all layers] | none | none | 5400 |" in md
+    assert "| smol | tq_k4v3 | 0 | 1 | 5988 |" in md and "| smol | auto | all | – | 23040 |" in md and "Default routing against the variants" in md
+    with pytest.raises(ValueError, match="'variants' maps a name to engine arguments"):
+        report.validate_plan({"models": [{"model": "x", "variants": ["all"]}]})

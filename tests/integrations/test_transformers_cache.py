@@ -82,7 +82,9 @@ def test_window_0_equals_engine_with_left_padding(name, preset, routing):
     engine_kw = {"kv_cache_dtype_skip_layers": routing.get("skip_layers", []),
                  "kv_cache_boundary_layers": routing.get("boundary_layers", 0)}
     llm, expected = engine_generate(name, prompts, preset, **engine_kw)
-    cache = TurboQuantCache(lm.model.config, preset, residual_length=0, **routing)
+    offsets = llm.llm_engine.key_plan.key_offsets       # the engine's centered layers
+    cache = TurboQuantCache(lm.model.config, preset, residual_length=0, key_offsets=offsets,
+                            **routing)
     assert cache.layer_kv_cache_dtypes == [layer.spec.kv_cache_dtype for layer in llm.llm_engine.layers]
     assert hf_generate(lm.model, prompts, cache) == expected
     # the batch was left-padded to 30 tokens; every layer compressed all of it but its window
@@ -97,9 +99,15 @@ def test_window_0_equals_engine_on_smollm2():
             [{"role": "user", "content": "Name a prime number."}]]
     prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m in msgs]
     prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
-    _, expected = engine_generate("default", prompts, "tq_k4v3", n=16)
-    got = hf_generate(lm.model, prompts, TurboQuantCache(lm.model, "tq_k4v3", residual_length=0),
-                      n=16, pad=tok.pad_token_id)
+    # Plain codes (no centering, every layer compressed): exact greedy equality on a real model
+    # holds only while no near-tie meets a float-order difference; with centered keys the second
+    # prompt meets one at its 4th token (top-2 within 0.25 nats). The calibrated cache is
+    # checked against the engine by KL below and token for token on the dummy models above.
+    llm, expected = engine_generate("default", prompts, "tq_k4v3", n=16,
+                                    kv_cache_key_centering=False, kv_cache_dtype_skip_layers=[])
+    cache = TurboQuantCache(lm.model, "tq_k4v3", residual_length=0)
+    assert cache.layer_kv_cache_dtypes == [x.spec.kv_cache_dtype for x in llm.llm_engine.layers]
+    got = hf_generate(lm.model, prompts, cache, n=16, pad=tok.pad_token_id)
     assert got == expected
     assert tok.decode(got[0]).startswith("The capital of France is Paris")
 
@@ -131,8 +139,15 @@ def test_default_window_teacher_forced_top1_vs_engine():
     prefix, chunk = 16, 16
     llm = LLM("default", kv_cache_dtype="tq_k4v3")
     engine = llm.score(ids[:-1], chunk_size=chunk, logprobs_start=prefix - 1).float()
-    same = _teacher_forced(lm.model, ids, TurboQuantCache(lm.model, "tq_k4v3", residual_length=0),
-                           prefix, chunk)
+    # the engine's defaults (centered keys, automatic routing), reproduced by the calibration
+    cache = TurboQuantCache.calibrated(lm.model, lm.tokenizer, "tq_k4v3", residual_length=0)
+    assert cache.layer_kv_cache_dtypes == [x.spec.kv_cache_dtype for x in llm.llm_engine.layers]
+    offsets = llm.llm_engine.key_plan.key_offsets
+    assert offsets is not None and any(mu is not None for mu in offsets)
+    assert all((layer.key_offset is None) == (offsets[i] is None) for i, layer in enumerate(cache.layers))
+    assert all(torch.equal(layer.key_offset, offsets[i]) for i, layer in enumerate(cache.layers)
+               if offsets[i] is not None)
+    same = _teacher_forced(lm.model, ids, cache, prefix, chunk)
     full = _teacher_forced(lm.model, ids, DynamicCache(config=lm.model.config), prefix, chunk)
     # Window 0 is the engine's cache: the two differ only by float rounding (another order of
     # the attention sums), which a flipped quantization code now and then amplifies down the
@@ -144,7 +159,8 @@ def test_default_window_teacher_forced_top1_vs_engine():
     # The default window keeps the newest tokens raw, so it is closer to full precision than the
     # engine and agrees with the engine less than 99 % (0.92 measured on 640 tokens): the issue's
     # ">= 99 % with the default window" does not hold; what holds is that it is more accurate.
-    ours = _teacher_forced(lm.model, ids, TurboQuantCache(lm.model, "tq_k4v3"), prefix, chunk)
+    ours = _teacher_forced(lm.model, ids, TurboQuantCache.calibrated(lm.model, lm.tokenizer,
+                                                                      "tq_k4v3"), prefix, chunk)
     top1 = lambda a: (a.argmax(-1) == full.argmax(-1)).float().mean()  # noqa: E731
     assert top1(ours) >= top1(engine) and _kl(full, ours) < err
 
@@ -292,4 +308,29 @@ def test_bad_arguments_are_named():
         TurboQuantCache(config, skip_layers=[0, 1])
     with pytest.raises(TypeError, match="needs the model's config"):
         TurboQuantCache("llama")
+    with pytest.raises(ValueError, match="skip_layers 'auto' needs the model's calibration; use "
+                                         r"TurboQuantCache\.calibrated"):
+        TurboQuantCache(config, skip_layers=["auto"])
+    with pytest.raises(ValueError, match=r"key_offsets \[\(2, 8\), None\]; expected one "
+                                         r"\(num_kv_heads, head_dim\) = \(2, 16\) tensor or None"):
+        TurboQuantCache(config, key_offsets=[torch.zeros(2, 8), None])
     assert DEFAULT_RESIDUAL_LENGTH >= 0
+
+
+# ---- key centering ----------------------------------------------------------------------------
+
+def test_centered_layer_returns_its_keys_and_spends_the_bits_on_what_varies():
+    """Keys = a large constant + small noise: with the constant as offset the layer stores the
+    noise and adds the constant back; without, the codes are spent on the constant."""
+    g = torch.Generator().manual_seed(0)
+    mu = 8 * torch.randn(2, 32, generator=g)
+    k = mu[None, :, None, :] + torch.randn(1, 2, 40, 32, generator=g)
+    v = torch.randn(1, 2, 40, 32, generator=g)
+    errs = []
+    for offset in (mu, None):
+        layer = TurboQuantLayer("tq_k4v3", residual_length=0, key_offset=offset)
+        keys, _ = layer.update(k, v)             # a prompt: read raw, then compressed
+        assert torch.equal(keys, k)
+        keys, _ = layer.update(k[..., :1, :], v[..., :1, :])   # a decode: all read back
+        errs.append(float((keys[..., :40, :] - k).norm() / k.norm()))
+    assert errs[0] < errs[1] / 4, errs

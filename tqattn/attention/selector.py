@@ -4,7 +4,9 @@ A layer's KV dtype is the engine's ``kv_cache_dtype`` unless the layer is skippe
 it at full precision ("auto", the model dtype) on FlashAttention:
 
 * ``kv_cache_dtype_skip_layers`` entries: a layer index (int, or a numeric string as vLLM's
-  config passes them) or the word ``"sliding_window"`` (every sliding-window layer);
+  config passes them), the word ``"sliding_window"`` (every sliding-window layer) or the word
+  ``"auto"`` (the engine's default): the layers the start-up calibration measures as outliers
+  (:func:`auto_full_precision_layers`);
 * boundary layers: the first and last ``kv_cache_boundary_layers`` layers. vLLM always keeps 2
   (and cannot turn it off); here it is a setting, :data:`DEFAULT_BOUNDARY_LAYERS` by default,
   to be set from the accuracy measurements.
@@ -29,15 +31,23 @@ from ..quant.presets import PRESETS
 
 DEFAULT_BOUNDARY_LAYERS = 0
 SLIDING_WINDOW = "sliding_window"
+AUTO_SKIP = "auto"
 FULL_PRECISION = "auto"
+# Automatic routing: a layer whose calibration error is AUTO_ERROR_FACTOR times the median
+# layer's, and at least AUTO_MIN_ERROR nats, is an outlier (Qwen2.5-Coder's layer 0: ~150x; no
+# SmolLM2 layer reaches 3x). Outliers are kept full precision, worst first, while the extra bytes
+# fit DEFAULT_AUTO_SKIP_BUDGET of the all-compressed cache.
+AUTO_ERROR_FACTOR = 8.0
+AUTO_MIN_ERROR = 0.1
+DEFAULT_AUTO_SKIP_BUDGET = 0.2
 
 
 def _parse_skip_entry(entry, num_layers: int) -> int | str:
-    allowed = (f"allowed: a layer index 0..{num_layers - 1} (int or numeric string) "
-               f"or {SLIDING_WINDOW!r}")
+    allowed = (f"allowed: a layer index 0..{num_layers - 1} (int or numeric string), "
+               f"{SLIDING_WINDOW!r} or {AUTO_SKIP!r}")
     if isinstance(entry, str):
         word = entry.strip()
-        if word == SLIDING_WINDOW:
+        if word in (SLIDING_WINDOW, AUTO_SKIP):
             return word
         if not word.lstrip("-").isdigit():
             raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} is not understood; "
@@ -61,9 +71,12 @@ def boundary_layer_indices(num_layers: int, boundary_layers: int) -> set[int]:
 
 def full_precision_layers(num_layers: int, sliding_windows: Sequence[int | None],
                           skip_layers: Iterable[int | str] = (),
-                          boundary_layers: int | None = None) -> dict[str, list[int]]:
+                          boundary_layers: int | None = None,
+                          auto_layers: Iterable[int] | None = None) -> dict[str, list[int]]:
     """The layers each routing rule keeps full precision: {"skip_layers": [...],
-    "sliding_window": [...], "boundary_layers": [...]} (a layer may appear under several rules)."""
+    "sliding_window": [...], "boundary_layers": [...], "auto": [...]} (a layer may appear under
+    several rules). ``auto_layers``: what the calibration chose, required when ``skip_layers``
+    has ``"auto"``."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
     if len(sliding_windows) != num_layers:
@@ -77,10 +90,61 @@ def full_precision_layers(num_layers: int, sliding_windows: Sequence[int | None]
     if isinstance(skip_layers, (str, int)):
         skip_layers = [skip_layers]  # a lone "sliding_window" or index, not its characters
     entries = {_parse_skip_entry(e, num_layers) for e in skip_layers}
+    if AUTO_SKIP in entries and auto_layers is None:
+        raise ValueError(f"kv_cache_dtype_skip_layers has {AUTO_SKIP!r}, which needs the layers "
+                         f"the start-up calibration chose (auto_layers); none were given")
+    auto = sorted(set(auto_layers or ())) if AUTO_SKIP in entries else []
+    if any(not 0 <= i < num_layers for i in auto):
+        raise ValueError(f"auto_layers {auto} out of range for {num_layers} layers")
     windowed = [i for i, w in enumerate(sliding_windows) if w is not None]
     return {"skip_layers": sorted(e for e in entries if isinstance(e, int)),
             SLIDING_WINDOW: windowed if SLIDING_WINDOW in entries else [],
-            "boundary_layers": sorted(boundary_layer_indices(num_layers, boundary_layers))}
+            "boundary_layers": sorted(boundary_layer_indices(num_layers, boundary_layers)),
+            AUTO_SKIP: auto}
+
+
+def wants_auto_layers(skip_layers: Iterable[int | str]) -> bool:
+    """Whether ``kv_cache_dtype_skip_layers`` asks for automatic routing."""
+    if isinstance(skip_layers, (str, int)):
+        skip_layers = [skip_layers]
+    return any(isinstance(e, str) and e.strip() == AUTO_SKIP for e in skip_layers)
+
+
+def auto_full_precision_layers(errors: Sequence[float], candidates: Iterable[int],
+                               extra_bytes: float, budget_bytes: float
+                               ) -> tuple[list[int], str]:
+    """Automatic routing: (layers to keep full precision, why — one line for the plan log).
+
+    ``errors``: each layer's calibration error (attention KL through the codec, nats);
+    ``candidates``: the layers the other rules leave compressed; ``extra_bytes``: bytes per token
+    one layer costs more in full precision; ``budget_bytes``: the most extra bytes per token.
+    Outliers (above :data:`AUTO_ERROR_FACTOR` × the candidates' median and
+    :data:`AUTO_MIN_ERROR`) go first-worst-first while they fit the budget."""
+    cand = sorted(set(candidates))
+    if not cand:
+        return [], "automatic routing: no compressed layer to judge"
+    errs = sorted(errors[i] for i in cand)
+    n = len(errs)
+    med = errs[n // 2] if n % 2 else 0.5 * (errs[n // 2 - 1] + errs[n // 2])
+    threshold = max(AUTO_ERROR_FACTOR * med, AUTO_MIN_ERROR)
+    outliers = sorted((i for i in cand if errors[i] > threshold), key=lambda i: -errors[i])
+    rule = (f"threshold {threshold:.3g} nats = max({AUTO_ERROR_FACTOR:g} x the median layer's "
+            f"{med:.3g}, {AUTO_MIN_ERROR:g})")
+    if not outliers:
+        worst = max(cand, key=lambda i: errors[i])
+        return [], (f"automatic routing keeps no layer full precision: the worst, layer {worst}, "
+                    f"has attention KL {errors[worst]:.3g} nats ({rule})")
+    fit = max(0, min(len(outliers), int(budget_bytes // extra_bytes) if extra_bytes > 0
+                     else len(outliers)))
+    chosen, left = sorted(outliers[:fit]), outliers[fit:]
+    why = ", ".join(f"layer {i} ({errors[i]:.3g} nats)" for i in outliers[:fit])
+    line = (f"automatic routing keeps {len(chosen)} layer(s) full precision: "
+            f"{why or 'none'} — {rule}; {fit * extra_bytes:.0f} of {budget_bytes:.0f} extra "
+            f"bytes/token")
+    if left:
+        line += (f"; outliers over the budget stay compressed: "
+                 + ", ".join(f"layer {i} ({errors[i]:.3g} nats)" for i in left))
+    return chosen, line
 
 
 def describe_full_precision(rules: dict[str, list[int]], num_layers: int) -> str:
@@ -92,13 +156,17 @@ def describe_full_precision(rules: dict[str, list[int]], num_layers: int) -> str
 
 def resolve_kv_cache_dtypes(num_layers: int, sliding_windows: Sequence[int | None],
                             kv_cache_dtype: str, skip_layers: Iterable[int | str] = (),
-                            boundary_layers: int | None = None) -> list[str]:
+                            boundary_layers: int | None = None,
+                            auto_layers: Iterable[int] | None = None) -> list[str]:
     """The KV-cache dtype of every layer: ``kv_cache_dtype``, or "auto" for skipped layers.
 
     Raises ValueError when a TurboQuant ``kv_cache_dtype`` would be left with no layer at all:
     the caller asked for a compressed cache and would silently get a full-precision one.
     """
-    rules = full_precision_layers(num_layers, sliding_windows, skip_layers, boundary_layers)
+    if kv_cache_dtype not in PRESETS and auto_layers is None:
+        auto_layers = ()   # a full-precision cache: nothing to route
+    rules = full_precision_layers(num_layers, sliding_windows, skip_layers, boundary_layers,
+                                  auto_layers)
     skipped = set().union(*rules.values())
     if kv_cache_dtype in PRESETS and len(skipped) == num_layers:
         n = DEFAULT_BOUNDARY_LAYERS if boundary_layers is None else boundary_layers
@@ -164,6 +232,8 @@ def describe_plan(layers: Sequence[AttentionLayer], block_size: int) -> dict:
         "backends": dict(Counter(l.backend.name for l in layers)),
         "kv_cache_dtypes": dict(Counter(l.spec.kv_cache_dtype for l in layers)),
         "groups": [groups[g] for g in sorted(groups)],
+        "full_precision_layers": [l.spec.layer_idx for l in layers
+                                  if l.spec.kv_cache_dtype == FULL_PRECISION],
         "bytes_per_token": bytes_per_token,
         "bf16_bytes_per_token": bf16_bytes,
         "capacity_vs_bf16": bf16_bytes / bytes_per_token if bytes_per_token else float("inf"),

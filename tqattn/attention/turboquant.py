@@ -39,6 +39,11 @@ the dequant path only dequantizes the prefix keys some query of the chunk can se
 soft-cap goes to both kernels; LSE merging stays exact under it. ALiBi and attention sinks are
 refused (``unsupported_reason``).
 
+Key centering (:mod:`~tqattn.attention.key_centering`, set by :meth:`TurboQuantImpl.
+set_key_offset`): the step's keys are centered once, on entry, and every path above — store,
+FlashAttention on the raw chunk, the decode kernel's own store — sees only k − μ, so all scores
+of a query shift by the same q·μ and outputs and LSE merges stay exact.
+
 Rotation seed: one :class:`~tqattn.quant.codec.TQCodec` per (preset, head size, device), shared
 by every layer, seed :data:`ROTATION_SEED`. A randomized Hadamard is already independent of the
 data it rotates, so per-layer seeds buy nothing measurable, while one shared codec means one
@@ -56,6 +61,7 @@ import torch
 from . import fa_utils
 from .backend import (AUTO, AttentionBackend, AttentionImpl, AttentionLayerSpec,
                       AttentionMetadataBuilder, CommonAttentionMetadata)
+from .key_centering import KeyOffset
 from .merge import merge_attn_states
 from .plan import KVGather, cumsum0, pack_kv, plan_kv_gather, segment_arange, to_device, window_start
 from .registry import register_backend
@@ -203,11 +209,27 @@ class TurboQuantImpl(AttentionImpl):
         self.preset = spec.kv_cache_dtype
         self.window = spec.sliding_window
         self.softcap = spec.logits_soft_cap
+        self.key_offset: KeyOffset | None = None
+
+    def set_key_offset(self, offset: torch.Tensor | None,
+                       device: torch.device | str | None = None) -> None:
+        """Center this layer's keys by ``offset`` (Hk, D) from now on (None: stop). Only before
+        the cache holds anything: stored keys keep the offset they were stored with."""
+        self.key_offset = None if offset is None else KeyOffset(offset, self.spec, device)
+
+    def _center(self, key: torch.Tensor) -> torch.Tensor:
+        return key if self.key_offset is None else self.key_offset.center(key)
 
     def codec(self, device: torch.device | str = "cpu") -> TQCodec:
         return get_codec(self.preset, self.spec.head_size, str(torch.device(device)))
 
     def store(self, key, value, kv_cache, metadata) -> None:
+        self._store(self._center(key), value, kv_cache, metadata)
+
+    def forward(self, query, key, value, kv_cache, metadata: TurboQuantMetadata):
+        return self._forward(query, self._center(key), value, kv_cache, metadata)
+
+    def _store(self, key, value, kv_cache, metadata) -> None:
         n = metadata.num_actual_tokens
         _kernels().store_kv(self.codec(kv_cache.device), key[:n], value[:n], kv_cache,
                             metadata.slot_mapping[:n])
@@ -215,8 +237,10 @@ class TurboQuantImpl(AttentionImpl):
     def store_and_forward(self, query, key, value, kv_cache, metadata: TurboQuantMetadata):
         md = metadata
         n = md.num_actual_tokens
+        key = self._center(key)  # once, for the store and the attention alike
         if md.num_prefills or md.token_perm is not None or md.num_decodes != n:
-            return super().store_and_forward(query, key, value, kv_cache, metadata)
+            self._store(key, value, kv_cache, md)
+            return self._forward(query, key, value, kv_cache, md)
         # a decode-only step: the decode call writes the new K/V (where: kernels/step.py)
         out = torch.empty_like(query)
         out[n:].zero_()
@@ -227,7 +251,7 @@ class TurboQuantImpl(AttentionImpl):
             out[:n].copy_(o)
         return out
 
-    def forward(self, query, key, value, kv_cache, metadata: TurboQuantMetadata):
+    def _forward(self, query, key, value, kv_cache, metadata: TurboQuantMetadata):
         md = metadata
         n, nd = md.num_actual_tokens, md.num_decodes
         codec = self.codec(query.device)

@@ -96,8 +96,15 @@ def device(s: str) -> str:
 
 
 def skip_layers(s: str) -> list[int | str]:
-    """Comma-separated layer indices and/or 'sliding_window' (checked against the model later)."""
+    """Comma-separated layer indices, 'sliding_window' and/or 'auto' (checked against the model
+    later); 'none' (or an empty string) for no layer."""
+    if s.strip().lower() == "none":
+        return []
     return [int(x) if x.strip().lstrip("-").isdigit() else x.strip() for x in s.split(",") if x.strip()]
+
+
+def non_negative_number(s: str) -> float:
+    return _number(s, "a number >= 0", lambda v: v >= 0 and v != float("inf"))
 
 
 def int_list(s: str) -> list[int]:
@@ -109,8 +116,9 @@ def int_list(s: str) -> list[int]:
 
 # ---- engine flags -------------------------------------------------------------------------------
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)
-             if f.default is not dataclasses.MISSING}
+_DEFAULTS = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+             for f in dataclasses.fields(EngineArgs)
+             if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -127,7 +135,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("kv_cache_dtype", type=kv_cache_dtype,
          help="auto (the model dtype) or a TurboQuant preset (`tqattn presets`); recommended: tq_k4v3")
     flag("kv_cache_dtype_skip_layers", type=skip_layers,
-         help="comma-separated layer indices and/or 'sliding_window' kept full precision")
+         help="layers kept full precision: comma-separated indices, 'sliding_window' and/or "
+              "'auto' (the layers the start-up calibration finds the preset cannot hold; the "
+              "default), or 'none'")
+    flag("kv_cache_key_centering", action=argparse.BooleanOptionalAction,
+         help="subtract each layer's mean key (from the start-up calibration) before compressing "
+              "keys: on every layer, or off (default: the layers whose calibration error it at least "
+              "halves; never on models that soft-cap attention logits)")
+    flag("kv_cache_auto_skip_budget", type=non_negative_number,
+         help="the most extra cache bytes 'auto' may spend on full-precision layers, as a share of "
+              "the all-compressed cache (full precision counted at 16 bits)")
     flag("kv_cache_boundary_layers", type=non_negative_int,
          help="keep the first and last N layers full precision (default: the selector's, 0)")
     flag("max_model_len", type=positive_int,

@@ -28,14 +28,16 @@ import torch
 
 from tqattn.attention.backend import AttentionLayerSpec
 from tqattn.attention.hf_attention import use_tqattn
-from tqattn.attention.selector import (FULL_PRECISION, build_attention_layers, describe_full_precision,
-                                       describe_plan, full_precision_layers, resolve_kv_cache_dtypes)
+from tqattn.attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, FULL_PRECISION,
+                                       build_attention_layers, describe_full_precision,
+                                       describe_plan, full_precision_layers, resolve_kv_cache_dtypes,
+                                       wants_auto_layers)
 from tqattn.models import load_config, load_model
 from tqattn.models.loader import LoadedModel
 from tqattn.models.sharding import split_heads
 from tqattn.quant.presets import PRESETS
 
-from . import compilation, parallel, precompile
+from . import calibration, compilation, parallel, precompile
 from .block_manager import BlockManager
 from .config import SchedulerConfig
 from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks, kv_cache_groups
@@ -59,8 +61,11 @@ class EngineArgs:
     model: str = "default"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
-    kv_cache_dtype_skip_layers: list[int | str] = field(default_factory=list)
+    # "auto": the layers the start-up calibration finds the codec cannot hold (selector.py)
+    kv_cache_dtype_skip_layers: list[int | str] = field(default_factory=lambda: [AUTO_SKIP])
     kv_cache_boundary_layers: int | None = None  # None: the selector's default
+    kv_cache_key_centering: bool | None = None  # None: the layers the calibration says need it
+    kv_cache_auto_skip_budget: float = DEFAULT_AUTO_SKIP_BUDGET  # of the all-compressed bytes
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -100,10 +105,21 @@ class EngineArgs:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False or None, got "
                              f"{self.async_scheduling!r}")
+        if self.kv_cache_key_centering is not None and not isinstance(self.kv_cache_key_centering, bool):
+            raise ValueError(f"kv_cache_key_centering must be True, False or None, got "
+                             f"{self.kv_cache_key_centering!r}")
+        budget = self.kv_cache_auto_skip_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+            raise ValueError(f"kv_cache_auto_skip_budget must be a number >= 0 (a share of the "
+                             f"all-compressed cache's bytes, e.g. 0.2), got {budget!r}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer (1 = no tensor "
                              f"parallelism), got {tp!r}")
+        if tp > 1 and self.kv_cache_key_centering:
+            raise ValueError("kv_cache_key_centering=True needs the start-up calibration, which "
+                             f"does not run with tensor parallelism yet (tensor_parallel_size={tp}); "
+                             "use kv_cache_key_centering=None or False")
         if self.enforce_eager and self.compile_model:
             raise ValueError("enforce_eager=True runs the model eagerly (no compilation, no CUDA "
                              "graphs); it cannot be combined with compile_model=True")
@@ -146,24 +162,53 @@ def build_model_runner(args: EngineArgs, device: torch.device,
     loaded = load_model(args.model, dtype=args.dtype, load_format=args.load_format, device=device,
                         seed=args.seed, max_model_len=args.max_model_len,
                         tensor_parallel_size=args.tensor_parallel_size)
-    layers = attention_layers(args, loaded)
+    key_plan = plan_keys(args, loaded)
+    layers = attention_layers(args, loaded, key_plan)
+    calibration.apply_key_offsets(layers, key_plan, device)
     use_tqattn(loaded.model, [layer.spec for layer in layers])
     groups = kv_cache_groups(layers, args.block_size)
     runner = ModelRunner(loaded.model, layers, groups, args.block_size, device, args.seed,
                          compile_model=compile_model, tp=tp)
-    return loaded, layers, runner
+    return loaded, layers, runner, key_plan
 
 
-def attention_layers(args: EngineArgs, loaded: LoadedModel) -> list:
+def plan_keys(args: EngineArgs, loaded: LoadedModel) -> calibration.KeyPlan:
+    """Key centering and automatic routing from the start-up calibration (its seconds in
+    ``key_plan.seconds``). With tensor parallelism the calibration does not run yet — each rank
+    holds some heads, and the ranks' choices would have to agree — so every layer is compressed
+    uncentered there (logged)."""
+    t0 = time.perf_counter()
+    if args.tensor_parallel_size > 1:
+        auto = wants_auto_layers(args.kv_cache_dtype_skip_layers)
+        if args.kv_cache_dtype in PRESETS:
+            logger.warning("tensor_parallel_size=%d: no start-up calibration yet, so no key "
+                           "centering and no automatic routing (every layer not listed in "
+                           "kv_cache_dtype_skip_layers is compressed as it is)",
+                           args.tensor_parallel_size)
+        plan = calibration.KeyPlan(None, [], [] if auto else None)
+    else:
+        plan = calibration.plan_keys(
+            loaded.model, loaded.tokenizer, loaded.info, loaded.name,
+            kv_cache_dtype=args.kv_cache_dtype, skip_layers=args.kv_cache_dtype_skip_layers,
+            boundary_layers=args.kv_cache_boundary_layers, key_centering=args.kv_cache_key_centering,
+            auto_skip_budget=args.kv_cache_auto_skip_budget, max_model_len=loaded.max_model_len)
+    plan.seconds = time.perf_counter() - t0
+    return plan
+
+
+def attention_layers(args: EngineArgs, loaded: LoadedModel,
+                     key_plan: calibration.KeyPlan | None = None) -> list:
     """Each layer's spec from the HF config (this rank's heads with tensor parallelism), its KV
-    dtype from the routing, its backend."""
+    dtype from the routing (``key_plan.auto_layers``: what automatic routing chose), its
+    backend."""
     info = loaded.info
     routing = (info.num_layers, info.sliding_windows)
+    auto = key_plan.auto_layers if key_plan is not None else None
     dtypes = resolve_kv_cache_dtypes(*routing, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers,
-                                     args.kv_cache_boundary_layers)
+                                     args.kv_cache_boundary_layers, auto)
     if args.kv_cache_dtype in PRESETS and FULL_PRECISION in dtypes:
         rules = full_precision_layers(*routing, args.kv_cache_dtype_skip_layers,
-                                      args.kv_cache_boundary_layers)
+                                      args.kv_cache_boundary_layers, auto)
         logger.warning("kv_cache_dtype=%s: %s keep a full-precision cache", args.kv_cache_dtype,
                        describe_full_precision(rules, info.num_layers))
     heads = split_heads(info.num_q_heads, info.num_kv_heads, args.tensor_parallel_size)
@@ -277,7 +322,7 @@ class LLMEngine:
             lap = now
 
         tp = self.workers.group if self.workers is not None else None
-        loaded, self.layers, runner = build_model_runner(args, self.device, tp)
+        loaded, self.layers, runner, self.key_plan = build_model_runner(args, self.device, tp)
         self.loaded, self.runner = loaded, runner
         self.tokenizer = loaded.tokenizer
         self.model_info = loaded.info
@@ -288,6 +333,9 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size)
         groups = runner.groups
         done("load")
+        # the calibration ran inside the load: its own part
+        self.startup_times["load"] -= self.key_plan.seconds
+        self.startup_times["calibration"] = self.key_plan.seconds
         if compile_model:  # at the largest step's size: what Inductor tunes for
             runner.dummy_prefill(args.max_num_batched_tokens, loaded.max_model_len)
         done("compile")
@@ -328,6 +376,8 @@ class LLMEngine:
         self._last_done = 0.0  # perf_counter when the last step's tokens reached the host
         self._last_ended = None  # the last recorded step's end event (device timing)
         self.plan = describe_plan(self.layers, args.block_size)
+        self.plan.update(centered_layers=self.key_plan.centered_layers,
+                         auto_routing=self.key_plan.routing, calibration=self.key_plan.describe())
         self.plan.update(num_blocks=num_blocks, block_size=args.block_size,
                          cache_tokens=self.kv_cache_config.num_tokens,
                          cache_bytes=self.kv_cache_config.total_bytes,
@@ -635,6 +685,10 @@ def format_plan(plan: dict) -> str:
     lines = [f"KV-cache plan: {plan['num_layers']} layers: {backends}; kv_cache_dtype: {dtypes}"]
     for g in plan["groups"]:
         lines.append(f"  group {g['group']}: {g['backend']} {g['kv_cache_dtype']} layers {g['layers']}")
+    if plan.get("calibration"):
+        lines.append(f"  {plan['calibration']}")
+    if plan.get("auto_routing"):
+        lines.append(f"  {plan['auto_routing']}")
     tp = plan.get("tensor_parallel_size", 1)
     per_rank = " per rank" if tp > 1 else ""
     if tp > 1:

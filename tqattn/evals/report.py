@@ -2,6 +2,9 @@
 
 A plan (YAML, shipped under tqattn/configs/evals/report/) lists the presets, the baseline preset
 for paired comparisons, and per model the perplexity specs, the NIAH grid and the GSM settings.
+A model may add routing variants — ``variants: {NAME: {engine args}}`` run for
+``variant_presets`` (default: all its presets) — as extra rows ``"PRESET [NAME]"`` next to the
+rows of the engine's default routing, each paired against its preset's default row.
 `run_report(plan, out_dir)` writes report.json, report.md and quality_vs_bits.png (+ NIAH heat
 maps). Bytes per token are for the whole model: the sum over layers of K+V bytes of all KV heads,
 with full-precision layers (auto, skip and boundary layers) counted at 2 bytes per element (bf16).
@@ -54,13 +57,14 @@ def model_config(model: str) -> Any:
 
 
 def kv_bytes_per_token(info: Any, kv_cache_dtype: str, *, skip_layers=(),
-                       boundary_layers: int | None = None) -> dict:
-    """Whole-model K+V bytes per token; layers are routed by the engine's own selector."""
+                       boundary_layers: int | None = None, auto_layers=None) -> dict:
+    """Whole-model K+V bytes per token; layers are routed by the engine's own selector
+    (``auto_layers``: what automatic routing chose, when ``skip_layers`` has "auto")."""
     from tqattn.attention.selector import resolve_kv_cache_dtypes
     from tqattn.quant.layout import build_layout
 
     dtypes = resolve_kv_cache_dtypes(info.num_layers, info.sliding_windows, kv_cache_dtype,
-                                     skip_layers, boundary_layers)
+                                     skip_layers, boundary_layers, auto_layers)
     fp_slot = 2 * info.head_dim * FP_BYTES
     slots = [fp_slot if d == "auto" else build_layout(d, info.head_dim).slot_bytes for d in dtypes]
     total = sum(slots) * info.num_kv_heads
@@ -105,9 +109,17 @@ def validate_plan(plan: Any, where: str = "plan") -> None:
         if not isinstance(m, dict) or "model" not in m:
             raise ValueError(f"{where}: each model needs at least 'model', got {m!r}")
         extra = set(m) - {"name", "model", "load_format", "engine_args", "presets", "ppl", "niah",
-                          "gsm"}
+                          "gsm", "variants", "variant_presets"}
         if extra:
             raise ValueError(f"{where}: unknown model keys {sorted(extra)}")
+        variants = m.get("variants") or {}
+        if not isinstance(variants, dict) or not all(
+                isinstance(k, str) and isinstance(v, dict) for k, v in variants.items()):
+            raise ValueError(f"{where}: 'variants' maps a name to engine arguments, got "
+                             f"{variants!r}")
+        for p in m.get("variant_presets") or []:
+            if p not in PRESETS:
+                raise ValueError(f"{where}: unknown preset {p!r} in variant_presets")
         for spec in m.get("ppl") or []:
             ppl.PPLSpec(**spec)  # raises with the bad field named
 
@@ -128,30 +140,80 @@ def _gsm_for_presets(model: dict, presets: list[str], factory_for, settings: dic
     return out
 
 
+def variant_keys(model: dict, presets: list[str]) -> dict[str, tuple[str, str | None]]:
+    """Every row key of a model -> (preset, variant name or None for the default routing)."""
+    keys = {p: (p, None) for p in presets}
+    for v in model.get("variants") or {}:
+        for p in model.get("variant_presets") or presets:
+            keys[f"{p} [{v}]"] = (p, v)
+    return keys
+
+
+def _routing_factory(model: dict, keys: dict, factory, routing: dict, centered: dict):
+    """A factory of row keys: the preset with its variant's engine arguments; records each
+    engine's full-precision layers in ``routing`` and its key-centered layers in ``centered``
+    (the start-up calibration decides both).
+    A given ``factory`` (tests) gets the variant's engine arguments as keywords."""
+    variants = model.get("variants") or {}
+
+    def make(key):
+        preset, v = keys.get(key, (key, None))
+        extra = variants.get(v, {})
+        if factory is not None:
+            llm = factory(preset, **extra) if extra else factory(preset)
+        else:
+            llm = scoring.make_llm(model["model"], preset, load_format=model.get("load_format"),
+                                   engine_args={**NO_PREFIX_CACHE, **(model.get("engine_args") or {}),
+                                                **extra})
+        plan = getattr(llm, "kv_cache_plan", None)
+        if isinstance(plan, dict) and "full_precision_layers" in plan:
+            routing[key] = list(plan["full_precision_layers"])
+        if isinstance(plan, dict) and "centered_layers" in plan:
+            centered[key] = list(plan["centered_layers"])
+        return llm
+    return make
+
+
 def run_model(model: dict, presets: list[str], *, factory=None, skip=()) -> dict:
     name = model.get("name") or model["model"]
-    if factory is None:
-        factory = scoring.llm_factory(model["model"], load_format=model.get("load_format"),
-                                      engine_args={**NO_PREFIX_CACHE, **(model.get("engine_args") or {})})
-    res: dict = {"name": name, "model": model["model"], "engine_args": model.get("engine_args", {})}
+    keys = variant_keys(model, presets)
+    routing: dict[str, list[int]] = {}
+    centered: dict[str, list[int]] = {}
+    make = _routing_factory(model, keys, factory, routing, centered)
+    res: dict = {"name": name, "model": model["model"], "engine_args": model.get("engine_args", {}),
+                 "variants": model.get("variants") or {}, "rows": keys, "routing": routing,
+                 "centered": centered}
     t0 = time.perf_counter()
     if model.get("ppl") and "ppl" not in skip:
-        res["ppl"] = ppl.run_ppl(factory, presets, [ppl.PPLSpec(**s) for s in model["ppl"]])
+        res["ppl"] = ppl.run_ppl(make, list(keys), [ppl.PPLSpec(**s) for s in model["ppl"]])
     if model.get("niah") and "niah" not in skip:
         n = dict(model["niah"])
-        res["niah"] = niah.run_niah(factory, n.pop("presets", presets), **n)
+        res["niah"] = niah.run_niah(make, n.pop("presets", list(keys)), **n)
     if model.get("gsm") and "gsm" not in skip:
-        res["gsm"] = _gsm_for_presets(model, presets, factory, model["gsm"])
+        res["gsm"] = _gsm_for_presets(model, presets, make, model["gsm"])
     res["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return res
 
 
 def table_rows(model_res: dict, presets: list[str], info: Any, engine_args: dict) -> list[dict]:
+    keys = model_res.get("rows") or {p: (p, None) for p in presets}
+    routing = model_res.get("routing") or {}
     rows = []
-    for p in ["auto"] + [x for x in presets if x != "auto"]:
-        b = kv_bytes_per_token(info, p, skip_layers=engine_args.get("kv_cache_dtype_skip_layers", ()),
-                               boundary_layers=engine_args.get("kv_cache_boundary_layers"))
-        row = {"model": model_res["name"], "preset": p, "bytes_per_token": b["bytes_per_token"],
+    for p in ["auto"] + [x for x in keys if x != "auto"]:
+        preset, v = keys.get(p, (p, None))
+        if p in routing:   # what the engine chose at start-up
+            b = kv_bytes_per_token(info, preset, skip_layers=routing[p], boundary_layers=0)
+        else:
+            args = {**engine_args, **(model_res.get("variants") or {}).get(v, {})}
+            b = kv_bytes_per_token(info, preset,
+                                   skip_layers=args.get("kv_cache_dtype_skip_layers", ()),
+                                   boundary_layers=args.get("kv_cache_boundary_layers"),
+                                   auto_layers=[] if preset == "auto" else None)
+        row = {"model": model_res["name"], "preset": p, "kv_cache_dtype": preset, "variant": v,
+               "full_precision_layers": b["full_precision_layers"] if preset != "auto" else None,
+               # None: not reported (the auto cache, or an engine from before key centering)
+               "centered_layers": (model_res.get("centered") or {}).get(p),
+               "bytes_per_token": b["bytes_per_token"],
                "bits_per_element": round(b["bits_per_element"], 3),
                "compression": round(b["compression_vs_bf16"], 3)}
         if "ppl" in model_res:
@@ -169,15 +231,33 @@ def table_rows(model_res: dict, presets: list[str], info: Any, engine_args: dict
     return rows
 
 
+def variant_comparisons(model_res: dict) -> list[dict]:
+    """Each preset's default-routing row paired against each of its variant rows: default −
+    variant, pooled and per spec (negative: the default is better)."""
+    if "ppl" not in model_res:
+        return []
+    out = []
+    for key, (preset, v) in (model_res.get("rows") or {}).items():
+        if v is None or key not in model_res["ppl"]["presets"] or preset not in model_res["ppl"]["presets"]:
+            continue
+        for label, names in _spec_groups(model_res["ppl"]["specs"]):
+            c = ppl.compare(model_res["ppl"], preset, key, names)
+            out.append({"model": model_res["name"], "preset": preset, "variant": key,
+                        "spec": label, "kl_diff": c["kl"], "ppl_delta_diff": c["ppl_delta_pct"],
+                        "top1_diff": c["top1"]})
+    return out
+
+
 def comparisons(model_res: dict, rows: list[dict], baseline: str) -> list[dict]:
-    """Each preset at no more bytes/token than `baseline`, paired against it (pooled and per spec)."""
+    """Each default-routing preset at no more bytes/token than `baseline`, paired against it
+    (pooled and per spec)."""
     if "ppl" not in model_res or baseline not in model_res["ppl"]["presets"]:
         return []
     limit = next(r["bytes_per_token"] for r in rows if r["preset"] == baseline)
     out = []
     for r in rows:
         p = r["preset"]
-        if p in (baseline, "auto") or r["bytes_per_token"] > limit:
+        if p in (baseline, "auto") or r["bytes_per_token"] > limit or r.get("variant"):
             continue
         for label, names in _spec_groups(model_res["ppl"]["specs"]):
             c = ppl.compare(model_res["ppl"], p, baseline, names)
@@ -217,13 +297,17 @@ def markdown(report: dict) -> str:
              f"reference: `auto` cache; figures pooled over all perplexity specs of a model; "
              f"[95 % bootstrap interval]. Bytes/token: whole model, K+V, all layers "
              f"(full-precision layers as bf16).", ""]
-    head = ("| model | preset | bytes/token | bits/elem | compression | PPL Δ % | KL (nats) | "
-            "top-1 agree | NIAH | GSM |")
-    lines += [head, "|" + "---|" * 10]
+    head = ("| model | preset | full-precision layers | centered layers | bytes/token | bits/elem | "
+            "compression | PPL Δ % | KL (nats) | top-1 agree | NIAH | GSM |")
+    lines += [head, "|" + "---|" * 12]
     for r in report["rows"]:
         gsm = f"{r['gsm']:.3f}" if r.get("gsm") is not None else "–"
         nh = f"{r['niah']:.2f}" if r.get("niah") is not None else "–"
-        lines.append(f"| {r['model']} | {r['preset']} | {r['bytes_per_token']} | "
+        fp = r.get("full_precision_layers")
+        fp = "all" if fp is None else ", ".join(map(str, fp)) or "none"
+        cl = r.get("centered_layers")
+        cl = "–" if cl is None else ", ".join(map(str, cl)) or "none"
+        lines.append(f"| {r['model']} | {r['preset']} | {fp} | {cl} | {r['bytes_per_token']} | "
                      f"{r['bits_per_element']:.2f} | {r['compression']:.2f}× | "
                      f"{_ci(r.get('ppl_delta_pct'), '{:+.2f}')} | {_ci(r.get('kl'), '{:.4f}')} | "
                      f"{_ci(r.get('top1'), '{:.4f}')} | {nh} | {gsm} |")
@@ -252,6 +336,17 @@ def markdown(report: dict) -> str:
                          f"({c['baseline_bytes']}) | {k['diff']:+.4f} [{k['low']:+.4f}, {k['high']:+.4f}] | "
                          f"{q['diff']:+.3f} [{q['low']:+.3f}, {q['high']:+.3f}] | "
                          f"{'yes' if c['lower_kl_and_ppl_delta'] else 'no'} |")
+    if report.get("variant_comparisons"):
+        lines += ["", "## Default routing against the variants (same tokens; difference = default − "
+                  "variant, negative: the default is better)", "",
+                  "| model | preset | variant | spec | ΔKL | Δ(PPL Δ %) | Δtop-1 |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in report["variant_comparisons"]:
+            k, q, t = c["kl_diff"], c["ppl_delta_diff"], c["top1_diff"]
+            lines.append(f"| {c['model']} | {c['preset']} | {c['variant']} | {c['spec']} | "
+                         f"{k['diff']:+.4f} [{k['low']:+.4f}, {k['high']:+.4f}] | "
+                         f"{q['diff']:+.3f} [{q['low']:+.3f}, {q['high']:+.3f}] | "
+                         f"{t['diff']:+.4f} [{t['low']:+.4f}, {t['high']:+.4f}] |")
     return "\n".join(lines) + "\n"
 
 
@@ -269,8 +364,8 @@ def plot_quality(report: dict, path: Path) -> None:
             continue
         xs = [r["bits_per_element"] for r in rows]
         ys = [max(r["kl"]["value"], 1e-6) for r in rows]
-        err = [[y - max(r["kl"]["low"], 1e-7) for y, r in zip(ys, rows)],
-               [r["kl"]["high"] - y for y, r in zip(ys, rows)]]
+        err = [[max(y - max(r["kl"]["low"], 1e-7), 0) for y, r in zip(ys, rows)],
+               [max(r["kl"]["high"] - y, 0) for y, r in zip(ys, rows)]]
         ax.errorbar(xs, ys, yerr=err, fmt="o", capsize=3, label=model)
         for x, y, r in zip(xs, ys, rows):
             ax.annotate(r["preset"].replace("turboquant_", "vllm:"), (x, y), fontsize=7,
@@ -298,7 +393,8 @@ def run_report(plan: dict, out_dir: str | Path, *, command: str = "", plan_name:
     out_dir.mkdir(parents=True, exist_ok=True)
     baseline = plan.get("baseline", "turboquant_k3v4_nc")
     report = {"command": command, "plan_name": plan_name, "plan": plan, "baseline": baseline,
-              "date": utc_now(), "models": [], "rows": [], "comparisons": [], "versions": run_versions()}
+              "date": utc_now(), "models": [], "rows": [], "comparisons": [], "variant_comparisons": [],
+              "versions": run_versions()}
     for m in plan["models"]:
         presets = list(m.get("presets") or plan.get("presets") or [])
         if baseline not in presets:
@@ -310,6 +406,7 @@ def run_report(plan: dict, out_dir: str | Path, *, command: str = "", plan_name:
         report["models"].append(res)
         report["rows"] += rows
         report["comparisons"] += comparisons(res, rows, baseline)
+        report["variant_comparisons"] += variant_comparisons(res)
         if "niah" in res:
             niah.plot_heatmaps(res["niah"], out_dir, res["name"])
         _write(report, out_dir)  # partial results survive a later failure

@@ -31,6 +31,13 @@ dequantizing, need the engine's attention hook, not a ``Cache``.
 
 Routing is the engine's (``kv_cache_dtype_skip_layers`` / ``kv_cache_boundary_layers``):
 skipped layers are transformers' own ``DynamicLayer`` / ``DynamicSlidingWindowLayer``.
+
+Key centering and automatic routing (the engine's defaults) need the start-up calibration of
+the model: :meth:`TurboQuantCache.calibrated` runs it (:mod:`tqattn.engine.calibration`,
+cached) and builds the cache the engine would. A layer with a key offset μ compresses k − μ
+and adds μ back when it reads its history, so the model's attention sees its own keys — exact
+with any attention, soft-capped included. The plain constructor takes ``key_offsets`` directly
+and refuses ``"auto"`` in ``skip_layers`` (it has no calibration to route by).
 Sliding-window layers that are compressed keep what ``DynamicSlidingWindowLayer`` keeps (the last
 ``sliding_window - 1`` tokens), compressed beyond the window. Layer types other than full and
 sliding attention are refused.
@@ -48,7 +55,8 @@ from collections.abc import Iterable
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from ..attention.selector import resolve_kv_cache_dtypes
+from ..attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, resolve_kv_cache_dtypes,
+                                  wants_auto_layers)
 from ..attention.turboquant import MODEL_DTYPES, get_codec
 from ..models.info import model_info
 from ..quant.presets import PRESETS, get_preset
@@ -74,12 +82,15 @@ class TurboQuantLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, preset: str, residual_length: int = DEFAULT_RESIDUAL_LENGTH):
+    def __init__(self, preset: str, residual_length: int = DEFAULT_RESIDUAL_LENGTH,
+                 key_offset: torch.Tensor | None = None):
         super().__init__()
         self.preset = get_preset(preset).name
         self.residual_length = residual_length
         self.cumulative_length = 0
         self.compressed: CompressedKV | None = None
+        self.key_offset = key_offset   # (Hk, D): compressed keys are stored as k − μ
+        self._mu = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.dtype not in MODEL_DTYPES:
@@ -91,6 +102,12 @@ class TurboQuantLayer(DynamicLayer):
         self.keys = key_states.new_zeros(b, hk, 0, d)
         self.values = value_states.new_zeros(b, hk, 0, d)
         self.compressed = CompressedKV(codec, b, hk, key_states.device)
+        if self.key_offset is not None:
+            if tuple(self.key_offset.shape) != (hk, d):
+                raise ValueError(f"TurboQuantCache: key offset of shape "
+                                 f"{tuple(self.key_offset.shape)} for keys with {hk} KV heads of "
+                                 f"size {d}; expected ({hk}, {d})")
+            self._mu = self.key_offset.to(key_states.device, key_states.dtype)[None, :, None, :]
         self.is_initialized = True
 
     # ---- update -----------------------------------------------------------------------------------
@@ -122,11 +139,14 @@ class TurboQuantLayer(DynamicLayer):
             k, v = k[..., gone - from_compressed:, :], v[..., gone - from_compressed:, :]
         spill = max(k.shape[-2] - self.residual_length, 0)
         if spill:
-            self.compressed.append(k[..., :spill, :], v[..., :spill, :])
+            old = k[..., :spill, :]
+            self.compressed.append(old if self._mu is None else old - self._mu, v[..., :spill, :])
         self.keys, self.values = k[..., spill:, :], v[..., spill:, :]
 
     def _read(self, *extra: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         ck, cv = self.compressed.read(self.dtype)
+        if self._mu is not None:
+            ck = ck + self._mu
         ks = [ck, self.keys] + [e[0] for e in extra]
         vs = [cv, self.values] + [e[1] for e in extra]
         return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
@@ -241,8 +261,9 @@ class TurboQuantSlidingWindowLayer(TurboQuantLayer):
     is_sliding = True
 
     def __init__(self, preset: str, sliding_window: int,
-                 residual_length: int = DEFAULT_RESIDUAL_LENGTH):
-        super().__init__(preset, residual_length)
+                 residual_length: int = DEFAULT_RESIDUAL_LENGTH,
+                 key_offset: torch.Tensor | None = None):
+        super().__init__(preset, residual_length, key_offset)
         self.sliding_window = sliding_window
 
     def _keep(self) -> int | None:
@@ -278,11 +299,17 @@ class TurboQuantCache(Cache):
             (the engine's ``kv_cache_dtype_skip_layers``).
         boundary_layers: the first and last N layers full precision (the engine's
             ``kv_cache_boundary_layers``; default as the engine's).
+        key_offsets: per layer, the (num_kv_heads, head_dim) mean key a compressed layer centers
+            by, or None (a (num_layers, num_kv_heads, head_dim) tensor centers every layer);
+            None: no centering. :meth:`calibrated` measures them.
+        auto_layers: the layers ``"auto"`` in ``skip_layers`` stands for (:meth:`calibrated`).
     """
 
     def __init__(self, config, preset: str = "tq_k4v3", *,
                  residual_length: int = DEFAULT_RESIDUAL_LENGTH,
-                 skip_layers: Iterable[int | str] = (), boundary_layers: int | None = None):
+                 skip_layers: Iterable[int | str] = (), boundary_layers: int | None = None,
+                 key_offsets: torch.Tensor | list[torch.Tensor | None] | None = None,
+                 auto_layers: Iterable[int] | None = None):
         config = getattr(config, "config", config)   # a model is accepted too
         if not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
             raise TypeError(f"TurboQuantCache needs the model's config (or the model), got "
@@ -301,19 +328,58 @@ class TurboQuantCache(Cache):
             raise ValueError(f"TurboQuantCache cannot hold this model's layers: {e}") from None
         if preset != FULL_PRECISION:
             get_preset(preset).check_head_dim(info.head_dim)
+        if preset != FULL_PRECISION and wants_auto_layers(skip_layers) and auto_layers is None:
+            raise ValueError("TurboQuantCache: skip_layers 'auto' needs the model's calibration; "
+                             "use TurboQuantCache.calibrated(model, tokenizer, preset), or list "
+                             "the layers")
+        shape = (info.num_kv_heads, info.head_dim)
+        if key_offsets is not None:
+            if len(key_offsets) != info.num_layers or any(
+                    mu is not None and tuple(mu.shape) != shape for mu in key_offsets):
+                got = [None if mu is None else tuple(mu.shape) for mu in key_offsets]
+                raise ValueError(f"TurboQuantCache: key_offsets {got}; expected one (num_kv_heads, "
+                                 f"head_dim) = {shape} tensor or None per layer, "
+                                 f"{info.num_layers} layers")
         self.preset = preset
         self.residual_length = residual_length
         self.layer_kv_cache_dtypes = resolve_kv_cache_dtypes(
-            info.num_layers, info.sliding_windows, preset, skip_layers, boundary_layers)
+            info.num_layers, info.sliding_windows, preset, skip_layers, boundary_layers,
+            auto_layers)
         layers = []
-        for dtype, window in zip(self.layer_kv_cache_dtypes, info.sliding_windows):
+        for i, (dtype, window) in enumerate(zip(self.layer_kv_cache_dtypes, info.sliding_windows)):
+            mu = None if key_offsets is None else key_offsets[i]
             if dtype == FULL_PRECISION:
                 layers.append(DynamicSlidingWindowLayer(window) if window else DynamicLayer())
             elif window:
-                layers.append(TurboQuantSlidingWindowLayer(dtype, window, residual_length))
+                layers.append(TurboQuantSlidingWindowLayer(dtype, window, residual_length, mu))
             else:
-                layers.append(TurboQuantLayer(dtype, residual_length))
+                layers.append(TurboQuantLayer(dtype, residual_length, mu))
         super().__init__(layers=layers)
+
+    @classmethod
+    def calibrated(cls, model, tokenizer=None, preset: str = "tq_k4v3", *,
+                   residual_length: int = DEFAULT_RESIDUAL_LENGTH,
+                   skip_layers: Iterable[int | str] = (AUTO_SKIP,),
+                   boundary_layers: int | None = None, key_centering: bool | None = None,
+                   auto_skip_budget: float = DEFAULT_AUTO_SKIP_BUDGET,
+                   max_model_len: int | None = None) -> "TurboQuantCache":
+        """The cache ``tqattn.LLM`` would build for ``model`` with these settings (the engine's
+        defaults: keys centered, ``"auto"`` routing): runs the start-up calibration, cached
+        per model. ``tokenizer``: the model's (None: random token ids, as the engine does for
+        a model without one); ``max_model_len``: the length the cache serves (default the
+        model's ``max_position_embeddings``), which sets the calibration's positions."""
+        from ..engine.calibration import plan_keys
+
+        config = model.config
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        info = model_info(text)
+        plan = plan_keys(model, tokenizer, info, type(model).__name__, kv_cache_dtype=preset,
+                         skip_layers=list(skip_layers), boundary_layers=boundary_layers,
+                         key_centering=key_centering, auto_skip_budget=auto_skip_budget,
+                         max_model_len=max_model_len or info.max_position_embeddings)
+        return cls(config, preset, residual_length=residual_length, skip_layers=skip_layers,
+                   boundary_layers=boundary_layers, key_offsets=plan.key_offsets,
+                   auto_layers=plan.auto_layers)
 
     def stored_bytes(self) -> dict[str, int]:
         """Bytes the cache holds now, summed over layers: ``compressed``, ``residual`` (the

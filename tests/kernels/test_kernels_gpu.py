@@ -68,10 +68,11 @@ def _decode_case(name, d, hk, group, bs, lens, dtype=torch.bfloat16, **kw):
         if kw.pop("continuation", False):
             qpos = seq_lens.clone()
     q = torch.randn(nrows, hk * group, d, device=DEV, dtype=dtype)
+    splits = kw.pop("num_splits", None)  # the kernel's work split; the reference has none
     ref, lse_ref = paged.decode_attention_ref(codec, q, cache, bt, seq_lens, qsl, qpos,
                                               return_lse=True, **kw)
     out, lse = decode_attention_triton(codec, q, cache, bt, seq_lens, qsl, qpos,
-                                       return_lse=True, **kw)
+                                       return_lse=True, num_splits=splits, **kw)
     assert out.dtype == dtype
     assert rel_err(out, ref) < 1e-2
     fin = torch.isfinite(lse_ref)

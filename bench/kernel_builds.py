@@ -206,10 +206,14 @@ def _cases():
                                                                             new_kv=True),
         "mma_b8_gqa8": decode(k3, b=8, hq=64), "mma_b32_lse": decode(k3, return_lse=True),
         "mma_b32_fp16": decode(k3, dtype=torch.float16),
+        # its 4-bit-key / rotated-3-bit-value format (the store kernel writes new K/V first)
+        "mma_tq_k4v3_b32": decode("tq_k4v3"), "mma_tq_k4v3_b128": decode("tq_k4v3", b=128, l=4096),
+        "mma_tq_k4v3_b8_gqa8": decode("tq_k4v3", b=8, hq=64),
+        "mma_tq_k4v3_lse": decode("tq_k4v3", return_lse=True),
         # portable kernel (+ merge): k3v4_nc off the tensor-core path, other presets
         "portable_k3v4_nc_rows": rows(k3), "portable_k3v4_nc_d64": decode(k3, d=64),
         "portable_k3v4_nc_window": decode(k3, window=1024, softcap=30.0),
-        "portable_tq_k4v3": decode("tq_k4v3"), "portable_turboquant_k8v4": decode(
+        "portable_tq_k4v3": rows("tq_k4v3"), "portable_turboquant_k8v4": decode(
             "turboquant_k8v4"), "portable_tq_k3o4v3.5": decode("tq_k3o4v3.5"),
         "portable_tq_k3.5v3.5": decode("tq_k3.5v3.5"), "portable_turboquant_4bit_nc": decode(
             "turboquant_4bit_nc"), "portable_tq_k4v3_new_kv": decode("tq_k4v3", new_kv=True),

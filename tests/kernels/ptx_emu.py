@@ -68,6 +68,10 @@ def run(text: str, inputs: dict[int, int]) -> dict[int, int]:
             r = val(src[0]) | val(src[1])
         elif op == "shr.b32":
             r = val(src[0]) >> val(src[1])
+        elif op == "shl.b32":
+            r = (val(src[0]) << val(src[1])) & M32
+        elif op == "mul.lo.u32":
+            r = (val(src[0]) * val(src[1])) & M32
         elif op == "prmt.b32":
             r = _prmt(val(src[0]), val(src[1]), val(src[2]))
         elif op == "lop3.b32":

@@ -83,3 +83,45 @@ def test_u4_values_nibbles():
         for reg, (b0, b1, sh) in enumerate([(0, 1, 0), (2, 3, 0), (0, 1, 4), (2, 3, 4)]):
             assert _fp16(out[reg]) == (byte[b0] >> sh) & 0xF
             assert _fp16(out[reg] >> 16) == (byte[b1] >> sh) & 0xF
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lut4_rows_decodes_symmetric_codebook(seed):
+    """A token-row word of 4-bit codes (byte b: coordinates 2b, 2b+1) → the fp16 centroid pair
+    of byte b in output b, through the magnitude table and the sign of each code."""
+    centroids = TQCodec("tq_k4v3", 128).keys.centroids[0]
+    table = _asm.symmetric_table_words(centroids.tolist())
+    want = centroids.to(torch.float16)
+    rnd = random.Random(seed)
+    words = [rnd.getrandbits(32) for _ in range(30)] + [0x76543210, 0xFEDCBA98]  # every code
+    for x in words:
+        out = run(_asm.LUT4_ROWS.value, {4: x, 5: table[0], 6: table[1], 7: table[2], 8: table[3]})
+        assert sorted(out) == [0, 1, 2, 3]
+        for b in range(4):
+            lo, hi = (x >> (8 * b)) & 0xF, (x >> (8 * b + 4)) & 0xF
+            assert _fp16(out[b]) == float(want[lo]) and _fp16(out[b] >> 16) == float(want[hi]), (hex(x), b)
+
+
+def test_symmetric_table_words_rejects_asymmetric_codebooks():
+    c = TQCodec("tq_k4v3", 128).keys.centroids[0].clone()
+    with pytest.raises(ValueError, match="16 centroids"):
+        _asm.symmetric_table_words(c[:8].tolist())
+    c[3] += 0.01
+    with pytest.raises(ValueError, match="not symmetric"):
+        _asm.symmetric_table_words(c.tolist())
+
+
+def test_lut3_tokens_matches_the_immediate_table_block():
+    """The register-table block equals :func:`lut3` (element pairs) for the same table."""
+    g = torch.Generator().manual_seed(5)
+    table = TQCodec("tq_k4v3", 128).values.centroids[0]
+    words_tab = _asm.lut3_table_words(table.tolist())
+    for _ in range(5):
+        codes = torch.randint(0, 8, (4, 8), generator=g)
+        page = page_word_bytes(codes)
+        words = [int(sum(int(page[e, s]) << (8 * e) for e in range(4))) for s in range(3)]
+        ins = {16: words[0], 17: words[1], 18: words[2]}
+        a = run(_asm.lut3(table.tolist()), ins)
+        b = run(_asm.LUT3_TOKENS.value, {**ins, 19: words_tab[0], 20: words_tab[1],
+                                         21: words_tab[2], 22: words_tab[3]})
+        assert a == b

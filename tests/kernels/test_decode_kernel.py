@@ -110,6 +110,11 @@ def _mma_stubs(monkeypatch, calls):
     monkeypatch.setattr(decode_mma, "launch", lambda *a, **kw: calls.append(a + (kw,)))
 
 
+def _spec_mma(name):
+    from tqattn.kernels import _spec
+    return _spec.kernel_spec(TQCodec(name, 128), 16).mma
+
+
 def test_mma_dispatch_plumbing(monkeypatch):
     """The tensor-core path's host side (kernel launch stubbed): split count = one wave of the
     resident programs, the raw query and the softmax scale, outputs allocated in q's dtype, LSE
@@ -140,10 +145,15 @@ def test_mma_dispatch_plumbing(monkeypatch):
                                    new_kv=(k, v, slots))
     q16 = torch.randn(2, 32, 128)       # GQA 16: more heads than a tensor-core tile holds
     decode.decode_attention_triton(codec, q16, cache, bt, seq_lens, num_splits=2)
+    assert len(calls) == n and len(stores) == 1   # the portable kernel, after the store kernel
+    # 4-bit keys + rotated 3-bit values: the tensor-core kernel, after the store kernel
     other = TQCodec("tq_k4v3", 128)
     c2, bt2, lens2 = filled_cache(other, [40, 9], 2, 16)
     decode.decode_attention_triton(other, q, c2, bt2, lens2, new_kv=(k, v, slots))
-    assert len(calls) == n and len(stores) == 2   # the portable kernel, after the store kernel
+    assert len(calls) == n + 1 and len(stores) == 2 and calls[-1][12] is None
+    assert calls[-1][0].mma.keys == 1 and calls[-1][0].mma.vals == 1
+    for name in ("turboquant_k8v4", "tq_k3v3", "turboquant_4bit_nc"):   # no tensor-core format
+        assert not _spec_mma(name)
 
 
 def test_mma_fused_query_rotation():
@@ -154,7 +164,7 @@ def test_mma_fused_query_rotation():
     codec = TQCodec("turboquant_k3v4_nc", 128)
     spec = _spec.kernel_spec(codec, 16)
     assert spec.mma
-    _, sgn, _ = decode_mma._tables(spec, "cpu")
+    sgn = decode_mma._tables(spec, "cpu")[1]
     r = codec.rotation.float()[:, decode_mma.operand_coord(torch.arange(128))]
     q = torch.randn(64, 128, dtype=torch.bfloat16) * 3
     got = decode_mma.fused_query_ref(q, sgn, 0.7)

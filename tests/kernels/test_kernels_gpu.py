@@ -102,35 +102,40 @@ def test_decode_without_asm_gpu(name, monkeypatch, portable):
     _decode_case(name, 128, 8, 4, 16, [1, 700, 4100, 2000])
 
 
-def test_decode_mma_path_gpu(monkeypatch):
-    """k3v4_nc at head size 128 runs the Gluon tensor-core kernel (kernels/decode_mma.py):
-    page sizes, GQA 7 and 3, sequences of 0 tokens and of fewer tiles than splits, several split
-    counts (ranges by program age, positions by arrival); the last split of each group merges
-    and resets its counter. The portable kernel's inline-asm path for the same layout stays
-    covered with the tensor-core kernel off."""
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3"])
+def test_decode_mma_path_gpu(name, monkeypatch):
+    """Head size 128 runs the Gluon tensor-core kernel (kernels/decode_mma.py) for its formats
+    (3-bit keys + uniform 4-bit values, storing new tokens itself; 4-bit keys + rotated 3-bit
+    values after the store kernel): page sizes, GQA 7 and 3, sequences of 0 tokens and of
+    fewer tiles than splits, several split counts (ranges by program age, positions by
+    arrival); the last split of each group merges and resets its counter. The portable
+    kernel's inline-asm path for the same layout stays covered with the tensor-core kernel
+    off."""
     from tqattn.kernels import decode_mma, step
     from tqattn.kernels._spec import kernel_spec
     q = torch.zeros(1, 8, 128, device=DEV)
-    spec = kernel_spec(_codec("turboquant_k3v4_nc", 128), 16)
-    assert step.decode_kernel_store(spec, q, 1, True) == step.DECODE_KERNEL
+    spec = kernel_spec(_codec(name, 128), 16)
+    assert step.tensor_core_decode(spec, q, 1, True) and not step.tensor_core_decode(spec, q, 1, False)
+    want = step.DECODE_KERNEL if name == "turboquant_k3v4_nc" else step.STORE_KERNEL
+    assert step.decode_kernel_store(spec, q, 1, True) == want
     assert step.decode_kernel_store(spec, q, 1, False) == step.STORE_KERNEL
     assert step.decode_kernel_store(kernel_spec(_codec("turboquant_k8v4", 128), 16), q, 1,
                                     True) == step.STORE_KERNEL
     for bs in (16, 32, 64):
-        _decode_case("turboquant_k3v4_nc", 128, 2, 7, bs, [63, 64, 65, 129, 5000, 1])
-    _decode_case("turboquant_k3v4_nc", 128, 2, 3, 16, [0, 300, 64])
+        _decode_case(name, 128, 2, 7, bs, [63, 64, 65, 129, 5000, 1])
+    _decode_case(name, 128, 2, 3, 16, [0, 300, 64])
     for splits in (1, 2, 3, 40):
-        _decode_case("turboquant_k3v4_nc", 128, 3, 4, 16, [5000, 17, 2500, 0, 700],
-                     num_splits=splits)
+        _decode_case(name, 128, 3, 4, 16, [5000, 17, 2500, 0, 700], num_splits=splits)
     torch.cuda.synchronize()
     counters = [c for bufs in decode_mma._COUNTERS.values() for c in bufs]
     assert counters and all(int(c.abs().sum()) == 0 for c in counters)
     monkeypatch.setattr(step, "tensor_cores", lambda device: False)
-    _decode_case("turboquant_k3v4_nc", 128, 8, 4, 16, [1, 700, 4100, 2000])
+    _decode_case(name, 128, 8, 4, 16, [1, 700, 4100, 2000])
 
 
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3"])
 @pytest.mark.parametrize("bs", [16, 64])
-def test_decode_mma_splits_gpu(bs, monkeypatch):
+def test_decode_mma_splits_gpu(name, bs, monkeypatch):
     """The tensor-core kernel (its own query rotation): splits of one partial tile, of full
     tiles only, of full tiles and the partial one, empty splits, sequences of 0 and 1 tokens;
     and against the portable kernel (query rotated by a GEMM): only fp16 roundings of the
@@ -139,8 +144,8 @@ def test_decode_mma_splits_gpu(bs, monkeypatch):
     from tqattn.kernels.decode import decode_attention_triton
     lens = [63, 64, 65, 128, 129, 191, 5000, 1, 0]
     for splits in (None, 1, 3, 40):
-        _decode_case("turboquant_k3v4_nc", 128, 2, 7, bs, lens, num_splits=splits)
-    codec = _codec("turboquant_k3v4_nc", 128)
+        _decode_case(name, 128, 2, 7, bs, lens, num_splits=splits)
+    codec = _codec(name, 128)
     cache, bt, seq_lens = filled_cache(codec, [3000, 17, 900], 4, bs, device=DEV)
     for dtype in (torch.bfloat16, torch.float16):
         q = torch.randn(3, 32, 128, device=DEV, dtype=dtype)
@@ -283,7 +288,8 @@ def test_decode_gqa_blocks_gpu(group, bs, dtype):
     _decode_case("turboquant_k3v4_nc", 128, 4, group, bs, [900, 3000, 17], dtype=dtype)
 
 
-@pytest.mark.parametrize("name", ["turboquant_4bit_nc", "tq_k4v4", "turboquant_k3v4_nc"])
+@pytest.mark.parametrize("name", ["turboquant_4bit_nc", "tq_k4v4", "turboquant_k3v4_nc",
+                                  "tq_k4v3"])
 def test_decode_options_gpu(name):
     _decode_case(name, 128, 8, 4, 16, [2000, 300], window=256, softcap=20.0)
     _decode_case(name, 128, 8, 4, 16, [2000, 300, 50], rows=[5, 17, 3])

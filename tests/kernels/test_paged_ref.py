@@ -59,7 +59,7 @@ def test_page_word_bit_order():
         assert torch.equal((by[..., s] >> 7) & 1, (w[..., 7] >> s) & 1)
 
 
-def test_key_planes_are_column_major():
+def test_3bit_planes_are_column_major():
     codec = TQCodec("turboquant_k3v4_nc", 128)
     pos = paged.page_positions(codec, 16)
     k, v = codec.layout.field("k_idx"), codec.layout.field("v_q")
@@ -69,6 +69,16 @@ def test_key_planes_are_column_major():
         s, g = j % 3, j // 3
         assert torch.equal(pos[:, k.offset + j], 16 * k.offset + s * 16 * 16 + g * 16 + t)
     assert torch.equal(pos[:, v.offset + 5], 16 * v.offset + t * 64 + 5)
+    # 3-bit values too (rotated or uniform codes): sub-plane s, byte position g, token t
+    for name, field in (("tq_k4v3", "v_idx"), ("turboquant_3bit_nc", "v_q")):
+        c3 = TQCodec(name, 128)
+        f3, pos3 = c3.layout.field(field), paged.page_positions(c3, 16)
+        assert paged.column_major(f3)
+        for j in (0, 4, 47):
+            s, g = j % 3, j // 3
+            assert torch.equal(pos3[:, f3.offset + j], 16 * f3.offset + s * 16 * 16 + g * 16 + t)
+    k4 = TQCodec("tq_k4v3", 128).layout.field("k_idx")                # 4-bit keys: token rows
+    assert not paged.column_major(k4)
     f8 = TQCodec("turboquant_k8v4", 128).layout.field("k_fp8")   # other key widths: token rows
     pos8 = paged.page_positions(TQCodec("turboquant_k8v4", 128), 16)
     assert torch.equal(pos8[:, f8.offset + 5], 16 * f8.offset + t * 128 + 5)
@@ -207,12 +217,11 @@ def test_batched_decode_equals_one_sequence_at_a_time():
 
 
 # The page reader must follow the layout functions, not a fixed plane order: under another
-# assignment of column_major() (the pending tq_k4v3 tensor-core patch makes every 3-bit word
-# field column-major) the store writes other bytes, and the reader must still agree with the
-# slot path, which reads through page_positions.
+# assignment of column_major() the store writes other bytes, and the reader must still agree
+# with the slot path, which reads through page_positions.
 SHIPPED_COLUMN_MAJOR = paged.column_major
 OTHER_LAYOUTS = {
-    "3-bit words column-major": lambda f: paged.field_words(f) == 3,
+    "every field token-major": lambda f: False,
     "every field column-major": lambda f: True,
 }
 

@@ -27,10 +27,11 @@ import struct
 import triton.language as tl
 
 
-def _pairs(lo: str, hi: str, out_a: str, out_b: str, sel: str) -> str:
+def _pairs(lo: str, hi: str, out_a: str, out_b: str, sel: str,
+           tab: tuple[str, str, str, str] = ("tl0", "tl1", "th0", "th1")) -> str:
     # lo/hi: byte lookups of nibble selectors [a(e), b(e), a(e+1), b(e+1)] → pairs a, b
-    return (f"prmt.b32 {lo}, tl0, tl1, {sel};\n"
-            f"prmt.b32 {hi}, th0, th1, {sel};\n"
+    return (f"prmt.b32 {lo}, {tab[0]}, {tab[1]}, {sel};\n"
+            f"prmt.b32 {hi}, {tab[2]}, {tab[3]}, {sel};\n"
             f"prmt.b32 {out_a}, {lo}, {hi}, 0x6240;\n"
             f"prmt.b32 {out_b}, {lo}, {hi}, 0x7351;\n")
 
@@ -46,20 +47,25 @@ def lut3(centroids) -> str:
     text = ("{\n.reg .b32 tl0, tl1, th0, th1, s, t, l, h;\n"
             f"mov.b32 tl0, {word(lo[:4]):#010x};\nmov.b32 tl1, {word(lo[4:]):#010x};\n"
             f"mov.b32 th0, {word(hi[:4]):#010x};\nmov.b32 th1, {word(hi[4:]):#010x};\n")
+    return text + _lut3_element_pairs(("tl0", "tl1", "th0", "th1")) + "}"
+
+
+def _lut3_element_pairs(tab: tuple[str, str, str, str]) -> str:
     # selector words: codes (0,1) from byte 0, (2,3) from byte 1, (4,5) from byte 2, (6,7)
     # from bits 3 and 7 of the three bytes
+    text = ""
     for j, src in enumerate(("$16", "$17", "$18")):
         text += f"and.b32 s, {src}, 0x77777777;\n"
-        text += _pairs("l", "h", f"${4 * j}", f"${4 * j + 2}", "s")
+        text += _pairs("l", "h", f"${4 * j}", f"${4 * j + 2}", "s", tab)
         text += "shr.b32 t, s, 16;\n"
-        text += _pairs("l", "h", f"${4 * j + 1}", f"${4 * j + 3}", "t")
+        text += _pairs("l", "h", f"${4 * j + 1}", f"${4 * j + 3}", "t", tab)
     text += ("shr.b32 s, $16, 3;\nand.b32 s, s, 0x11111111;\n"
              "shr.b32 t, $17, 2;\nand.b32 t, t, 0x22222222;\nor.b32 s, s, t;\n"
              "shr.b32 t, $18, 1;\nand.b32 t, t, 0x44444444;\nor.b32 s, s, t;\n")
-    text += _pairs("l", "h", "$12", "$14", "s")
+    text += _pairs("l", "h", "$12", "$14", "s", tab)
     text += "shr.b32 t, s, 16;\n"
-    text += _pairs("l", "h", "$13", "$15", "t")
-    return text + "}"
+    text += _pairs("l", "h", "$13", "$15", "t", tab)
+    return text
 
 
 U4_VALUES = tl.constexpr(
@@ -133,3 +139,48 @@ def _u4_pair_text() -> str:
 # 4-bit uniform codes of two token rows (words A = $8, B = $9: 8 codes each, two per byte) →
 # ``$(2b + h)``: the (A, B) pair of the low (h = 0) / high (h = 1) nibble of byte b.
 U4_PAIRS = tl.constexpr(_u4_pair_text())
+
+
+# Like :func:`lut3` (code j of elements (0, 1) in ``$2j``, of (2, 3) in ``$2j+1``; inputs
+# ``$16..$18``: the three byte sub-planes of 4 consecutive tokens), with the table in
+# ``$19..$22`` (:func:`lut3_table_words`): fp16 pairs of one coordinate's consecutive tokens, the
+# P·V operand of the tensor-core kernel's 3-bit values.
+LUT3_TOKENS = tl.constexpr("{\n.reg .b32 s, t, l, h;\n"
+                           + _lut3_element_pairs(("$19", "$20", "$21", "$22")) + "}")
+
+
+def symmetric_table_words(centroids) -> list[int]:
+    """The 8 non-negative fp16 centroids c[8..15] of a symmetric 4-bit codebook (c[15-i] =
+    -c[i] after rounding to fp16) as the 4 table words of :data:`LUT4_ROWS`."""
+    vals = [struct.unpack("<H", struct.pack("<e", float(c)))[0] for c in centroids]
+    if len(vals) != 16:
+        raise ValueError(f"a 4-bit codebook has 16 centroids, got {len(vals)}")
+    if any(vals[15 - i] != vals[i] ^ 0x8000 for i in range(8)) or any(v >> 15 for v in vals[8:]):
+        raise ValueError("the 4-bit codebook is not symmetric in fp16 (c[15-i] = -c[i], c[8..15] >= 0)")
+    return lut3_table_words([struct.unpack("<e", struct.pack("<H", v))[0] for v in vals[8:]])
+
+
+def _lut4_rows_text() -> str:
+    # $4: 4 bytes of one token row (byte b: codes of coordinates 2b, 2b+1 in its low / high
+    # nibble); $5..$8: the magnitude table. Code n is +mag[n - 8] for n >= 8, -mag[7 - n] below:
+    # c = ~x & 0x88.. flags the negative nibbles, m = x ^ 7·flag their magnitude selectors, and
+    # each flag becomes the sign bit (bit 7) of its hi-byte lookup.
+    text = ("{\n.reg .b32 c, t, u, m, l, h, a, s;\n"
+            "lop3.b32 c, $4, 0x88888888, 0, 0x0C;\n"
+            "shr.b32 t, c, 3;\nmul.lo.u32 u, t, 7;\n"
+            "lop3.b32 m, $4, u, 0x77777777, 0x28;\n")
+    for half, spread in ((0, "0x1100"), (1, "0x3322")):
+        if half:
+            text += "shr.b32 m, m, 16;\n"
+        text += ("prmt.b32 l, $5, $6, m;\nprmt.b32 h, $7, $8, m;\n"
+                 # bytes [c0, c0, c1, c1]: nibble 2i's flag at bit 3 of byte 2i, 2i+1's at bit 7
+                 f"prmt.b32 a, c, 0, {spread};\n"
+                 "shl.b32 s, a, 4;\nlop3.b32 s, s, a, 0x00800080, 0xE4;\n"
+                 "lop3.b32 h, h, s, 0x80808080, 0xF8;\n"
+                 f"prmt.b32 ${2 * half}, l, h, 0x5140;\nprmt.b32 ${2 * half + 1}, l, h, 0x7362;\n")
+    return text + "}"
+
+
+# 4-bit codes of a symmetric codebook (one token row word: 8 codes) → ``$b``: the fp16 pair of
+# byte b (coordinates 2b, 2b+1), the Q·K operand of the tensor-core kernel's 4-bit keys.
+LUT4_ROWS = tl.constexpr(_lut4_rows_text())

@@ -181,17 +181,48 @@ def kernel_spec(codec: TQCodec, block_size: int) -> KernelSpec:
     return spec
 
 
-def mma_layout(spec: KernelSpec) -> bool:
-    """Whether the tensor-core kernel (kernels/decode_mma.py) reads this layout and stores a
-    step's new token into it: 3-bit centroid keys (one column-major field of 16 words, folded
-    norm, no outliers), 4-bit uniform values of 64 bytes, head size 128, no padding bytes, and a
-    rotation diag(s)·H/√128 (every head size 128 rotation of quant/rotation.py)."""
+@dataclass(frozen=True)
+class MmaFormat:
+    """How the tensor-core decode kernel (kernels/decode_mma.py) reads a layout."""
+    keys: int     # 0: 3-bit centroid keys, column-major planes; 1: 4-bit codes of a symmetric
+                  # codebook in token rows
+    vals: int     # 0: 4-bit uniform values in token rows; 1: 3-bit rotated values, column-major
+    store: bool   # the kernel encodes a decode step's new token itself (keys 0 with values 0)
+
+
+def mma_layout(spec: KernelSpec) -> MmaFormat | None:
+    """How the tensor-core kernel reads this layout, or None where it cannot: head size 128,
+    one key and one value field, no outliers, stored norms plain or "nc"-folded, a rotation
+    diag(s)·H/√128 (every head size 128 rotation of quant/rotation.py), and one of the format
+    pairs its token order serves — (3-bit keys, 4-bit uniform values): ``turboquant_k3v4_nc``;
+    (4-bit keys, 3-bit rotated values): ``tq_k4v3``."""
     m, kf, vf = spec.layout, spec.key_fields, spec.value_fields
-    return (m.d == 128 and len(kf) == 1 and kf[0].cm and kf[0].lut >= 0 and kf[0].g == 16
-            and kf[0].bits == 3 and not m.k_fp8 and m.k_nout == 0 and m.k_corr == 1
-            and not m.v_tq and len(vf) == 1 and vf[0].bits == 4 and vf[0].w == 1
-            and vf[0].g == 64 and m.v_levels == 15 and m.pad_n == 0
-            and is_signed_hadamard(spec.codec.rotation.float().cpu()))
+    if (m.d != 128 or len(kf) != 1 or len(vf) != 1 or m.k_fp8 or m.k_nout
+            or not is_signed_hadamard(spec.codec.rotation.float().cpu())):
+        return None
+    k, v = kf[0], vf[0]
+    if k.cm and k.lut >= 0 and k.g == 16 and k.bits == 3 and m.k_corr == 1:
+        keys = 0
+    elif (not k.cm and k.lut >= 0 and k.bits == 4 and k.w == 1 and k.g == 64
+          and m.k_corr in (0, 1) and _symmetric(spec.table[k.lut:k.lut + 16])):
+        keys = 1
+    else:
+        return None
+    if not m.v_tq and v.bits == 4 and v.w == 1 and v.g == 64 and m.v_levels == 15:
+        vals = 0
+    elif m.v_tq and v.cm and v.bits == 3 and v.g == 16 and v.lut >= 0 and m.v_corr in (0, 1):
+        vals = 1
+    else:
+        return None
+    if keys != vals:
+        return None
+    return MmaFormat(keys, vals, store=keys == 0 and m.pad_n == 0)
+
+
+def _symmetric(centroids: torch.Tensor) -> bool:
+    """c[15 - i] = -c[i] in fp16 and c[8..15] >= 0: the sign-and-magnitude lookup of 4-bit keys."""
+    h = centroids.half()
+    return bool(torch.equal(h.flip(0), -h) and (h[8:] >= 0).all())
 
 
 def interpreted(device) -> bool:

@@ -188,13 +188,15 @@ def _value_tiles_u4(w):
 
 @triton.jit
 def _value_tiles_lut3(w0, w1, w2, VASM: tl.constexpr):
-    """3-bit value codes (centroids, or uniform codes as the table 0..7), int32 words
-    [N, GP/4] of the three sub-planes (word = 4 words' bytes) → the 8 code tiles [N, GP] fp16."""
+    """3-bit value codes (centroids, or uniform codes as the table 0..7) from the column-major
+    page words: int32 [GP, N/4] of the three sub-planes (4 consecutive tokens of one byte
+    position per word) → the 8 code tiles [N, GP] fp16."""
     o = tl.inline_asm_elementwise(VASM, "=r," * 16 + "r,r,r", [w0, w1, w2], (tl.int32,) * 16,
                                   is_pure=True, pack=1)
-    return (_quad_tile(o[0], o[1]), _quad_tile(o[2], o[3]), _quad_tile(o[4], o[5]),
-            _quad_tile(o[6], o[7]), _quad_tile(o[8], o[9]), _quad_tile(o[10], o[11]),
-            _quad_tile(o[12], o[13]), _quad_tile(o[14], o[15]))
+    return (tl.trans(_quad_tile(o[0], o[1])), tl.trans(_quad_tile(o[2], o[3])),
+            tl.trans(_quad_tile(o[4], o[5])), tl.trans(_quad_tile(o[6], o[7])),
+            tl.trans(_quad_tile(o[8], o[9])), tl.trans(_quad_tile(o[10], o[11])),
+            tl.trans(_quad_tile(o[12], o[13])), tl.trans(_quad_tile(o[14], o[15])))
 
 
 @triton.jit
@@ -307,7 +309,7 @@ def _load_tile(cache_ptr, bt_row, tok0, lim, sc_b, kvh_off, BLOCK_N: tl.constexp
     blk = tl.load(bt_row + tok // L.bs, mask=okp, other=0).to(tl.int64)
     pbase = blk * sc_b + kvh_off
     tip = tok % L.bs
-    if K0_ASM or K1_ASM:
+    if K0_ASM or K1_ASM or V_ASM == 3:
         tok4 = tok0 + tl.arange(0, BLOCK_N // 4) * 4
         okp4 = (tok4 // L.bs) * L.bs < lim
         blk4 = tl.load(bt_row + tok4 // L.bs, mask=okp4, other=0).to(tl.int64)
@@ -330,13 +332,13 @@ def _load_tile(cache_ptr, bt_row, tok0, lim, sc_b, kvh_off, BLOCK_N: tl.constexp
         va = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 0, L.bs)
         vb, vc = va, va
     elif V_ASM == 3:
-        va = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 0, L.bs)
-        vb = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 1, L.bs)
-        vc = _raw_row_words(cache_ptr, pbase, tip, ok, V0.off, V0.g, V0.gp, 2, L.bs)
+        va, vb, vc = _raw_words(cache_ptr, pbase4, tip4, okp4, L.bs, V0.off, V0.g, V0.gp)
     else:
-        va, vb, vc = _raw_field(cache_ptr, pbase, tip, ok, L.bs, V0.off, V0.w, V0.g, V0.gp, V0.cm)
+        va, vb, vc = _raw_field(cache_ptr, pbase, tip, okp if V0.cm else ok, L.bs, V0.off, V0.w,
+                                V0.g, V0.gp, V0.cm)
     if L.has_v1:
-        vd, ve, vf = _raw_field(cache_ptr, pbase, tip, ok, L.bs, V1.off, V1.w, V1.g, V1.gp, V1.cm)
+        vd, ve, vf = _raw_field(cache_ptr, pbase, tip, okp if V1.cm else ok, L.bs, V1.off, V1.w,
+                                V1.g, V1.gp, V1.cm)
     else:
         vd, ve, vf = va, vb, vc
     if L.v_tq:
@@ -597,8 +599,9 @@ def launch_config(spec, interp: bool) -> tuple[int, int, dict]:
 
 def _asm_meta(spec, on: bool) -> dict:
     """Which fields take the inline-asm conversions (kernels/_asm.py; never under the
-    interpreter): 3-bit key fields (column-major words), 4-bit uniform values and 3-bit values
-    (tq centroids or uniform codes) whose token rows are whole int32 words. Cached on the spec:
+    interpreter): 3-bit key fields and single-field 3-bit values (tq centroids or uniform codes),
+    both column-major words, and 4-bit uniform values whose token rows are whole int32 words.
+    Cached on the spec:
     the asm texts are built once, not on every call."""
     if on not in spec.asm_meta:
         spec.asm_meta[on] = _build_asm_meta(spec, on)
@@ -617,7 +620,7 @@ def _build_asm_meta(spec, on: bool) -> dict:
     meta["V_ASM"], meta["V_VASM"] = 0, ""
     if one and not spec.layout.v_tq and v[0].bits == 4 and v[0].w == 1:
         meta["V_ASM"] = 1                               # two 4-bit codes per byte
-    elif one and v[0].bits == 3 and v[0].w == 3:
+    elif one and v[0].bits == 3 and v[0].w == 3 and v[0].cm:
         meta["V_ASM"] = 3                               # centroids, or uniform codes 0..7
         table = spec.table[v[0].lut:v[0].lut + 8] if spec.layout.v_tq else range(8)
         meta["V_VASM"] = _asm.lut3(table)
@@ -707,6 +710,9 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
                            group, num_splits, out, return_lse, new_kv)
     if new_kv is not None:
         store.store_kv_triton(codec, new_kv[0], new_kv[1], kv_cache, new_kv[2])
+    if step.tensor_core_decode(spec, q, hk, plain):
+        return _decode_mma(spec, q, kv_cache, block_table, seq_lens, default_scale(codec, scale),
+                           group, num_splits, out, return_lse, None)
     interp = interpreted(q.device)
     block_n, num_warps, asm = launch_config(spec, interp)
     lut, rot = spec.tables_on(q.device)

@@ -1,13 +1,25 @@
 """Decode attention on tensor cores with register-resident operands (Gluon, sm_80+).
 
 The tensor-core path of :func:`tqattn.kernels.decode.decode_attention_triton` for the layouts of
-:func:`tqattn.kernels._spec.mma_layout` (``turboquant_k3v4_nc``: 3-bit centroid keys in
-column-major planes, 4-bit uniform values, head size 128), GQA groups of up to 8 query heads, one
-query row per sequence, no window / soft-cap. Math = :func:`tqattn.quant.paged.decode_attention_ref`
-(its twin; the inline asm does not run under triton's interpreter, so the comparison runs on the
-GPU: ``pytest -m gpu``). Each program rotates the raw query itself: the head size 128 rotation is
-diag(s)·H/√128, a Walsh–Hadamard transform (:func:`_fused_query`, twin :func:`fused_query_ref`).
-With a decode step's new K/V (STORE), the last split of each (sequence, KV head) encodes its
+:func:`tqattn.kernels._spec.mma_layout`, head size 128, GQA groups of up to 8 query heads, one
+query row per sequence, no window / soft-cap, in two formats (constexprs KEYS, VALS):
+
+* KEYS = VALS = 0, ``turboquant_k3v4_nc``: 3-bit centroid keys in column-major planes, 4-bit
+  uniform values in token rows (the description below);
+* KEYS = VALS = 1, ``tq_k4v3``: 4-bit keys of a symmetric codebook in token rows (a lane reads
+  16 row bytes of each of its 8 tokens, :data:`_asm.LUT4_ROWS` turns a byte into its coordinate
+  pair), rotated 3-bit values in column-major planes (:data:`_asm.LUT3_TOKENS`: one coordinate's
+  consecutive tokens), accumulated in the rotated basis and un-rotated once per program (a
+  Walsh–Hadamard transform of the output rows); score row ρ is token 16·(g // 2) + 2·(ρ // 8) +
+  g % 2 with g = ρ % 8 (the values' pairs of consecutive tokens fix it). The store kernel writes
+  a step's new token first.
+
+Math = :func:`tqattn.quant.paged.decode_attention_ref` (its twin; the inline asm does not run
+under triton's interpreter, so the comparison runs on the GPU: ``pytest -m gpu``; the index
+bookkeeping of the second format is replayed on CPU in tests/kernels/test_mma_operands.py).
+Each program rotates the raw query itself: the head size 128 rotation is diag(s)·H/√128, a
+Walsh–Hadamard transform (:func:`_fused_query`, twin :func:`fused_query_ref`). With a decode
+step's new K/V (STORE, first format), the last split of each (sequence, KV head) encodes its
 sequence's new token into the page before reading it (:func:`_store_new_token`; the math of
 kernels/store.py), so a decode step is one launch. The last split of each group to finish merges
 the group's split outputs (the math of ``decode._merge_kernel``) into ``out``/``lse``.
@@ -77,19 +89,9 @@ def _wht_stage(x, B: gl.constexpr):
 
 
 @gluon.jit
-def _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale):
-    """The query operand Qᵀ [128, 8] computed from the raw query: R = diag(s)·H/√128
-    with its columns in operand order (a bit permutation σ of the column index, so R[:, σ] =
-    P_σ·diag(s_σ)·H/√128): load q[σ(k)]·s[σ(k)]/√128 (sgn_ptr), Walsh–Hadamard transform in
-    fp32 (bits 0-4 in-thread; bits 5, 6 after one regrouping), times qscale, fp16 — the math
-    of :func:`fused_query_ref`."""
-    k = gl.arange(0, 128, layout=gl.SliceLayout(1, _QL))
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, _QL))
-    sk = (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)   # operand_coord
-    rows = gl.convert_layout(q_rows, gl.SliceLayout(0, _QL))
-    ok = gl.convert_layout(hmask, gl.SliceLayout(0, _QL))
-    x = gl.load(q_ptr + rows[None, :] + sk[:, None], mask=ok[None, :], other=0.0)
-    x = x.to(gl.float32) * gl.load(sgn_ptr + k)[:, None]
+def _wht_rows(x):
+    """Walsh–Hadamard transform (unnormalised) along axis 0 of x [128, 8] fp32 in _QL: bits
+    0-4 in-thread; bits 5, 6 after one regrouping."""
     x = _wht_stage(x, 1)
     x = _wht_stage(x, 2)
     x = _wht_stage(x, 4)
@@ -100,7 +102,26 @@ def _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale):
                                      [128, 8]), _QL)
     x = _wht_stage(x, 1)
     x = _wht_stage(x, 2)
-    x = gl.reshape(gl.permute(gl.reshape(x, [32, 4, 8]), [1, 0, 2]), [128, 8])
+    return gl.reshape(gl.permute(gl.reshape(x, [32, 4, 8]), [1, 0, 2]), [128, 8])
+
+
+@gluon.jit
+def _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS: gl.constexpr):
+    """The query operand Qᵀ [128, 8] computed from the raw query: R = diag(s)·H/√128
+    with its columns in operand order (a bit permutation σ of the column index, so R[:, σ] =
+    P_σ·diag(s_σ)·H/√128): load q[σ(k)]·s[σ(k)]/√128 (sgn_ptr), Walsh–Hadamard transform in
+    fp32, times qscale, fp16 — the math of :func:`fused_query_ref`. σ: :func:`operand_coord`
+    of the key format."""
+    k = gl.arange(0, 128, layout=gl.SliceLayout(1, _QL))
+    if KEYS == 0:
+        sk = (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
+    else:
+        sk = (k & 1) | ((k >> 2) & 0x1E) | ((k << 4) & 0x60)
+    rows = gl.convert_layout(q_rows, gl.SliceLayout(0, _QL))
+    ok = gl.convert_layout(hmask, gl.SliceLayout(0, _QL))
+    x = gl.load(q_ptr + rows[None, :] + sk[:, None], mask=ok[None, :], other=0.0)
+    x = x.to(gl.float32) * gl.load(sgn_ptr + k)[:, None]
+    x = _wht_rows(x)
     return gl.convert_layout(x * qscale, _OP_B).to(gl.float16)
 
 
@@ -201,17 +222,25 @@ def _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_
     gl.thread_barrier()
 
 
-def operand_coord(k: torch.Tensor) -> torch.Tensor:
-    """Rotated coordinate of operand column k: σ(k), which swaps bits 1-2 with bits 3-4 (its own
-    inverse; the kernel writes the same bit operations inline)."""
-    return (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
+def operand_coord(k: torch.Tensor, keys: int = 0) -> torch.Tensor:
+    """Rotated coordinate of operand column k: σ(k) (the kernel writes the same bit operations
+    inline). 3-bit keys (keys 0): swaps bits 1-2 with bits 3-4 (its own inverse); 4-bit keys
+    (keys 1): lane t's 16 row bytes hold coordinates 32t.. (:func:`_key_operand4`)."""
+    if keys == 0:
+        return (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
+    return (k & 1) | ((k >> 2) & 0x1E) | ((k << 4) & 0x60)
 
 
-def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float) -> torch.Tensor:
+def value_row_coord(r: torch.Tensor) -> torch.Tensor:
+    """Coordinate of row ρ of Vᵀ and of the output accumulator: 16·(ρ % 8) + ρ // 8."""
+    return 16 * (r % 8) + r // 8
+
+
+def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float, keys: int = 0) -> torch.Tensor:
     """PyTorch twin of :func:`_fused_query` for q (rows, 128): the same permuted load and the
     same butterflies, in the same order → fp16 (rows, 128), equal to fp16((q·R[:, σ])·scale)
     up to fp32 rounding."""
-    sk = operand_coord(torch.arange(128, device=q.device))
+    sk = operand_coord(torch.arange(128, device=q.device), keys)
     x = (q.float()[:, sk] * sgn.to(q.device)).T.contiguous()          # [128, rows] as [k, n]
     rows = x.shape[1]
 
@@ -317,6 +346,73 @@ def _value_operand(vw):
 
 
 @gluon.jit
+def _lut4(x, tab):
+    return gl.inline_asm_elementwise(_asm.LUT4_ROWS, "=r," * 4 + "r," * 4 + "r",
+                                     [x, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 4,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _key_row4(lo, hi, tab):
+    """One token's 16 row bytes (two int64: 32 4-bit codes) → [32, r0, r1, q0, q1] fp16 pairs
+    of byte 4q + r."""
+    a0, a1 = _lo_hi(lo)
+    a2, a3 = _lo_hi(hi)
+    o0 = _lut4(a0, tab)
+    o1 = _lut4(a1, tab)
+    o2 = _lut4(a2, tab)
+    o3 = _lut4(a3, tab)
+    return _j4(_j4(o0[0], o0[1], o0[2], o0[3]), _j4(o1[0], o1[1], o1[2], o1[3]),
+               _j4(o2[0], o2[1], o2[2], o2[3]), _j4(o3[0], o3[1], o3[2], o3[3]))
+
+
+@gluon.jit
+def _key_operand4(kw, tab):
+    """K [64 rows, 128 columns] fp16 A operand of 4-bit row keys (:func:`_load_keys4`): row
+    g + 8j is the lane's token j, column e + 2t + 8r + 32q its byte 4q + r's nibble e."""
+    x = _j8((_key_row4(kw[0], kw[1], tab), _key_row4(kw[2], kw[3], tab),
+             _key_row4(kw[4], kw[5], tab), _key_row4(kw[6], kw[7], tab),
+             _key_row4(kw[8], kw[9], tab), _key_row4(kw[10], kw[11], tab),
+             _key_row4(kw[12], kw[13], tab), _key_row4(kw[14], kw[15], tab)))
+    # [lane, r0, r1, q0, q1, j0, j1, j2] → halves → [g, t, r0, r1, q0, q1, j0, j1, j2, e]
+    x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
+    x = gl.permute(x, [8, 7, 6, 0, 5, 4, 3, 2, 1, 9])
+    return gl.convert_layout(gl.reshape(x, [64, 128]), _OP_A)
+
+
+@gluon.jit
+def _lut3_tokens(a, b, c, tab):
+    return gl.inline_asm_elementwise(_asm.LUT3_TOKENS, "=r," * 16 + "r," * 6 + "r",
+                                     [a, b, c, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 16,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _value_word3(vw, W: gl.constexpr, tab):
+    """Code word 2g + W of the lane's 16 tokens (:func:`_load_values3`) → [32, h, c0, c1, c2,
+    kb0, kb1] fp16 pairs: code c of tokens 4kb + 2h, +1."""
+    a0, a1 = _lo_hi(vw[6 * W])
+    b0, b1 = _lo_hi(vw[6 * W + 2])
+    c0, c1 = _lo_hi(vw[6 * W + 4])
+    d0, d1 = _lo_hi(vw[6 * W + 1])
+    e0, e1 = _lo_hi(vw[6 * W + 3])
+    f0, f1 = _lo_hi(vw[6 * W + 5])
+    return _j4(_j16(_lut3_tokens(a0, b0, c0, tab)), _j16(_lut3_tokens(a1, b1, c1, tab)),
+               _j16(_lut3_tokens(d0, e0, f0, tab)), _j16(_lut3_tokens(d1, e1, f1, tab)))
+
+
+@gluon.jit
+def _value_operand3(vw, tab):
+    """Vᵀ [128 rows, 64 columns] fp16 A operand of 3-bit column-major values: row g + 8i is
+    coordinate 16g + i, column e + 2t + 8h + 16kb token 16t + 4kb + 2h + e."""
+    x = gl.join(_value_word3(vw, 0, tab), _value_word3(vw, 1, tab))
+    # [lane, h, c0, c1, c2, kb0, kb1, w] → halves → [g, t, h, c0, c1, c2, kb0, kb1, w, e]
+    x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
+    x = gl.permute(x, [8, 5, 4, 3, 0, 7, 6, 2, 1, 9])
+    return gl.convert_layout(gl.reshape(x, [128, 64]), _OP_A)
+
+
+@gluon.jit
 def _f16x2(x):
     """int32 fp16 pair → (low, high) as fp32."""
     return gl.inline_asm_elementwise("{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; "
@@ -325,21 +421,43 @@ def _f16x2(x):
 
 
 @gluon.jit
-def _row_scalars(w):
-    """The lane's 8 fp16 scalars of one role (tokens 8g + i; two int64 words, see
-    :func:`_load_tile`) → fp32 [64, 8] in the score layout (row g + 8i, both heads of the
-    lane)."""
-    a0, a1 = _lo_hi(w[0])
-    a2, a3 = _lo_hi(w[1])
-    v0, v1 = _f16x2(a0)
-    v2, v3 = _f16x2(a1)
-    v4, v5 = _f16x2(a2)
-    v6, v7 = _f16x2(a3)
+def _row_scalars(w, MAP: gl.constexpr):
+    """The lane's 8 fp16 scalars of one role → fp32 [64, 8] in the score layout (row g + 8i,
+    both heads of the lane). MAP 0: tokens 8g + i, two int64 words (:func:`_load_tile`); MAP 1:
+    tokens 16(g // 2) + 2i + g % 2 of four int64 words (tokens 16(g // 2) + 0..15)."""
+    if MAP == 0:
+        a0, a1 = _lo_hi(w[0])
+        a2, a3 = _lo_hi(w[1])
+        v0, v1 = _f16x2(a0)
+        v2, v3 = _f16x2(a1)
+        v4, v5 = _f16x2(a2)
+        v6, v7 = _f16x2(a3)
+    else:
+        odd = ((gl.arange(0, 32, layout=_LANE) // 4) % 2) == 1
+        a0, a1 = _lo_hi(w[0])
+        a2, a3 = _lo_hi(w[1])
+        a4, a5 = _lo_hi(w[2])
+        a6, a7 = _lo_hi(w[3])
+        v0 = _odd_half(a0, odd)
+        v1 = _odd_half(a1, odd)
+        v2 = _odd_half(a2, odd)
+        v3 = _odd_half(a3, odd)
+        v4 = _odd_half(a4, odd)
+        v5 = _odd_half(a5, odd)
+        v6 = _odd_half(a6, odd)
+        v7 = _odd_half(a7, odd)
     x = gl.join(_j4(gl.join(v0, v0), gl.join(v1, v1), gl.join(v2, v2), gl.join(v3, v3)),
                 _j4(gl.join(v4, v4), gl.join(v5, v5), gl.join(v6, v6), gl.join(v7, v7)))
     # [lane, h, i0, i1, i2] → [g, t, h, i0, i1, i2]; row = g + 8i, column = h + 2t
     x = gl.permute(gl.reshape(x, [8, 4, 2, 2, 2, 2]), [5, 4, 3, 0, 1, 2])
     return gl.convert_layout(gl.reshape(x, [64, 8]), _MMA)
+
+
+@gluon.jit
+def _odd_half(x, odd):
+    """The high fp16 of an int32 pair where odd, else the low one, as fp32."""
+    lo, hi = _f16x2(x)
+    return gl.where(odd, hi, lo)
 
 
 @gluon.jit
@@ -352,10 +470,13 @@ def _load16(p):
 
 
 @gluon.jit
-def _pages(t, seq_len, bt_row, lane, BS: gl.constexpr):
-    """The lane's two page indices in tile t (key rows 8g.., value rows 16t..); past the
-    sequence: page 0 (finite codes; those tokens are masked)."""
-    tg = t * TILE + 8 * (lane // 4)
+def _pages(t, seq_len, bt_row, lane, BS: gl.constexpr, MAP: gl.constexpr):
+    """The lane's two page indices in tile t (key rows 8g.. (MAP 0) or 16(g // 2).. (MAP 1),
+    value rows 16t..); past the sequence: page 0 (finite codes; those tokens are masked)."""
+    if MAP == 0:
+        tg = t * TILE + 8 * (lane // 4)
+    else:
+        tg = t * TILE + 16 * (lane // 8)
     tt = t * TILE + 16 * (lane % 4)
     return (gl.load(bt_row + tg // BS, mask=tg < seq_len, other=0),
             gl.load(bt_row + tt // BS, mask=tt < seq_len, other=0))
@@ -399,14 +520,85 @@ def _load_values(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.conste
 
 
 @gluon.jit
+def _load_keys4(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
+                KN_OFF: gl.constexpr):
+    """4-bit row keys (MAP 1): the lane's 16 row bytes 16t.. of its 8 tokens 16(g // 2) +
+    g % 2 + 2j (16 int64: token j's in words 2j, 2j + 1) and the 4 words of the fp16 key norms
+    of tokens 16(g // 2) + 0..15."""
+    tg = t * TILE + 16 * (lane // 8)
+    pg = page0 + pages[0].to(gl.int64) * sc_b
+    row = pg + K_OFF + ((tg % BS) + (lane // 4) % 2) * 64 + 16 * (lane % 4)
+    kb = row.to(gl.pointer_type(gl.int64))
+    a0, a1 = _load16(kb)
+    b0, b1 = _load16(kb + 16)
+    c0, c1 = _load16(kb + 32)
+    d0, d1 = _load16(kb + 48)
+    e0, e1 = _load16(kb + 64)
+    f0, f1 = _load16(kb + 80)
+    g0, g1 = _load16(kb + 96)
+    h0, h1 = _load16(kb + 112)
+    sp = (pg + KN_OFF + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
+    n0, n1 = _load16(sp)
+    n2, n3 = _load16(sp + 2)
+    return (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1, g0, g1, h0, h1), (n0, n1, n2, n3)
+
+
+@gluon.jit
+def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
+                  VN_OFF: gl.constexpr):
+    """3-bit column-major values (MAP 1): sub-plane s of code words 2g + w (at (16s + 2g + w)·BS
+    in the plane) for the lane's 16 tokens 16t.. (12 int64: word 6w + 2s + u holds tokens
+    16t + 8u + 0..7), and the 4 words of the fp16 value norms of the key rows' tokens
+    16(g // 2) + 0..15."""
+    tg = t * TILE + 16 * (lane // 8)
+    tt = t * TILE + 16 * (lane % 4)
+    pg = page0 + pages[0].to(gl.int64) * sc_b
+    pv = page0 + pages[1].to(gl.int64) * sc_b
+    vb = (pv + V_OFF + (tt % BS) + 2 * (lane // 4) * BS).to(gl.pointer_type(gl.int64))
+    a0, a1 = _load16(vb)
+    b0, b1 = _load16(vb + 2 * BS)
+    c0, c1 = _load16(vb + 4 * BS)
+    d0, d1 = _load16(vb + BS // 8)
+    e0, e1 = _load16(vb + BS // 8 + 2 * BS)
+    f0, f1 = _load16(vb + BS // 8 + 4 * BS)
+    sp = (pg + VN_OFF + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
+    n0, n1 = _load16(sp)
+    n2, n3 = _load16(sp + 2)
+    return (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1), (n0, n1, n2, n3)
+
+
+@gluon.jit
+def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
+            KN_OFF: gl.constexpr, KEYS: gl.constexpr):
+    if KEYS == 0:
+        kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
+    else:
+        kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
+    return kw, kn
+
+
+@gluon.jit
+def _load_v(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
+            VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, VALS: gl.constexpr):
+    """Value words and their scalars: (scales, zero points) for uniform values (VALS 0), (norms,
+    norms) for rotated ones (VALS 1; VS_OFF: the norms' plane, VZ_OFF unused)."""
+    if VALS == 0:
+        vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
+    else:
+        vw, vs = _load_values3(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF)
+        vz = vs
+    return vw, vs, vz
+
+
+@gluon.jit
 def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
                KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
-               VZ_OFF: gl.constexpr):
-    """The lane's raw words of tile t (pages: :func:`_pages` of t): 12 key words, 16 value
-    words, 3 × 2 words of fp16 scalars. Pages hold >= 16 tokens and tiles start at page
+               VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr):
+    """The lane's raw words of tile t (pages: :func:`_pages` of t): key words, value words and
+    the words of their fp16 scalars. Pages hold >= 16 tokens and tiles start at page
     boundaries, so each lane reads one page per role."""
-    kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
-    vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
+    kw, kn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS)
+    vw, vs, vz = _load_v(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS)
     return kw, vw, (kn, vs, vz)
 
 
@@ -418,25 +610,33 @@ def _lane_sums(x):
 
 
 @gluon.jit
-def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr):
+def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr, KEYS: gl.constexpr):
     """A tile's scores (log2 units) from its key words; MASKED: -inf past the sequence."""
-    s = mma_v2(_key_operand(kw, tab), qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
-    s = s * _row_scalars(skn)
+    if KEYS == 0:
+        ka = _key_operand(kw, tab)
+    else:
+        ka = _key_operand4(kw, tab)
+    s = mma_v2(ka, qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
+    s = s * _row_scalars(skn, KEYS)
     if MASKED:
         s = gl.where((t * TILE + tau < seq_len)[:, None], s, float("-inf"))
     return s
 
 
 @gluon.jit
-def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, MASKED: gl.constexpr):
+def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED: gl.constexpr,
+            VALS: gl.constexpr):
     """Online softmax of a tile's scores (rescaled only when a head's running max grows by
-    more than 8 in log2 units, so p ≤ 256) and P·V from its value words."""
-    vs = _row_scalars(svs)
-    vz = _row_scalars(svz)
+    more than 8 in log2 units, so p ≤ 256) and P·V from its value words (VALS 1: rotated
+    values, their norms in svs, no zero points)."""
+    vs = _row_scalars(svs, VALS)
+    if VALS == 0:
+        vz = _row_scalars(svz, 0)
     if MASKED:
         ok = (t * TILE + tau < seq_len)[:, None]
         vs = gl.where(ok, vs, 0.0)
-        vz = gl.where(ok, vz, 0.0)
+        if VALS == 0:
+            vz = gl.where(ok, vz, 0.0)
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     if gl.max(m_new - m_i, axis=0) > 8.0:
         alpha = gl.exp2(m_i - m_new)
@@ -444,22 +644,27 @@ def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, MASKED: gl.con
         a2 = gl.max(gl.reshape(gl.zeros([TILE, 8], gl.float32, layout=_MMA) + alpha[None, :],
                                [8, 8, 8]), axis=0)
         l_p = l_p * a2
-        z_p = z_p * a2
+        if VALS == 0:
+            z_p = z_p * a2
         m_i = m_new
     p = gl.exp2(s - m_i[None, :])
     l_p = l_p + _lane_sums(p)
-    z_p = z_p + _lane_sums(p * vz)
     pb = gl.convert_layout((p * vs).to(gl.float16), _OP_B)
-    acc = mma_v2(_value_operand(vw), pb, acc)
+    if VALS == 0:
+        z_p = z_p + _lane_sums(p * vz)
+        acc = mma_v2(_value_operand(vw), pb, acc)
+    else:
+        acc = mma_v2(_value_operand3(vw, tabv), pb, acc)
     return m_i, l_p, z_p, acc
 
 
 @gluon.jit
-def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, MASKED: gl.constexpr):
+def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv, tau, MASKED: gl.constexpr,
+          KEYS: gl.constexpr, VALS: gl.constexpr):
     """One 64-token tile from its raw words (:func:`_load_tile`). MASKED: the sequence's last,
     partial tile."""
-    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED)
-    return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, MASKED)
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED, KEYS)
+    return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED, VALS)
 
 
 @gluon.jit
@@ -501,17 +706,17 @@ def _bcast(x):
 
 
 @gluon.jit
-def _step(kw, vw, sc, t, tn, pages, seq_len, m_i, l_p, z_p, acc, qb, tab, tau, page0, lane, sc_b,
-          BS: gl.constexpr, K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
-          VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr):
+def _step(kw, vw, sc, t, tn, pages, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv, tau, page0, lane,
+          sc_b, BS: gl.constexpr, K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
+          VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr):
     """Full tile t from its words, and the words of tile tn (pages: its page indices) loaded
     during t, each role's as soon as t's words of that role are consumed."""
-    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False)
-    kw, skn = _load_keys(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False, KEYS)
+    kw, skn = _load_k(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS)
     gl.thread_barrier()
-    m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau,
-                                 False)
-    vw, svs, svz = _load_values(tn, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
+    m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, tabv,
+                                 False, VALS)
+    vw, svs, svz = _load_v(tn, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS)
     gl.thread_barrier()
     return m_i, l_p, z_p, acc, kw, vw, (skn, svs, svz)
 
@@ -584,11 +789,12 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        po_ptr, spo_r, spo_h, spo_s, plse_ptr, spl_r, spl_h, tab_ptr,
                        out_ptr, so_r, so_h, lse_ptr, sl_r, count_ptr, NUM_SPLITS, sgn_ptr, qscale,
                        kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr, ksgn_ptr,
-                       ASSIGN: gl.constexpr, n_older, w_old, w_young,
+                       vtab_ptr, osgn_ptr, ASSIGN: gl.constexpr, n_older, w_old, w_young,
                        GROUP: gl.constexpr, HK: gl.constexpr, BS: gl.constexpr,
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, WRITE_LSE: gl.constexpr,
-                       STORE: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr):
+                       STORE: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr,
+                       KEYS: gl.constexpr, VALS: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     groups = gl.num_programs(0)
@@ -626,20 +832,29 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # which ptxas copies into a register before every prmt
     tab = (gl.load(tab_ptr + 4 * lane), gl.load(tab_ptr + 4 * lane + 1),
            gl.load(tab_ptr + 4 * lane + 2), gl.load(tab_ptr + 4 * lane + 3))
+    if VALS == 1:
+        tabv = (gl.load(vtab_ptr + 4 * lane), gl.load(vtab_ptr + 4 * lane + 1),
+                gl.load(vtab_ptr + 4 * lane + 2), gl.load(vtab_ptr + 4 * lane + 3))
+    else:
+        tabv = tab
     bt_row = bt_ptr + b.to(gl.int64) * sbt
     page0 = cache_ptr + kvh.to(gl.int64) * sc_h
     rho = gl.arange(0, TILE, layout=_ROWS)
-    tau = 8 * (rho % 8) + rho // 8
+    # the token of score row ρ (MAP: the key format's row order, which the values follow)
+    if KEYS == 0:
+        tau = 8 * (rho % 8) + rho // 8
+    else:
+        tau = 16 * ((rho % 8) // 2) + 2 * (rho // 8) + rho % 2
 
     # the first tile's words are loaded first, the query rotated while they are in flight; the
     # page indices run a tile ahead of the words, so a block-table miss never waits in line
     # before a tile's word loads
-    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane, sc_b,
-                            BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-    pages = _pages(t0 + 1, seq_len, bt_row, lane, BS)
+    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, KEYS), page0, lane, sc_b,
+                            BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS)
+    pages = _pages(t0 + 1, seq_len, bt_row, lane, BS, KEYS)
     hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
     q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
-    qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale)
+    qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, KEYS)
     if STORE:
         # the step's new token, stored by the last split (it reads the sequence's last tile
         # last) while the first tile's words are in flight; read again if that tile is the last
@@ -648,8 +863,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                              ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
                              VS_OFF, VZ_OFF, K_LUT, K_BND)
             if t0 == n_tiles - 1:
-                kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS), page0, lane,
-                                        sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
+                kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, KEYS), page0, lane,
+                                        sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
+                                        VALS)
 
     # a finite "-inf": the first tile always takes the rescale branch (alpha = 0)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
@@ -666,24 +882,31 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     for t in range(t0, t_mid):
         _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS)
         m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len, m_i, l_p,
-                                               z_p, acc, qb, tab, tau, page0, lane, sc_b, BS,
-                                               K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF)
-        pages = _pages(t + 2, seq_len, bt_row, lane, BS)
+                                               z_p, acc, qb, tab, tabv, tau, page0, lane, sc_b,
+                                               BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
+                                               VALS)
+        pages = _pages(t + 2, seq_len, bt_row, lane, BS, KEYS)
         pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
     if t_mid < t1:  # the last split: the sequence's partial last tile
-        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tau,
-                                   True)
+        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv,
+                                   tau, True, KEYS, VALS)
 
     l_i = gl.convert_layout(gl.sum(l_p, axis=0), _HEADS)
     has = l_i > 0.0
     inv = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
-    z = gl.convert_layout(gl.sum(z_p, axis=0), _HEADS) * inv
     lse = gl.where(has, m_i * 0.6931471805599453 + gl.log(gl.where(has, l_i, 1.0)),
                    float("-inf"))
     heads = gl.arange(0, 8, layout=_HEADS)
     dims = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
     dim = 16 * (dims % 8) + dims // 8
-    o = acc * inv[None, :] + z[None, :]
+    if VALS == 0:
+        z = gl.convert_layout(gl.sum(z_p, axis=0), _HEADS) * inv
+        o = acc * inv[None, :] + z[None, :]
+    else:
+        # rotated values: o = õ·Rᵀ, i.e. row ρ of the output is s[dim]/√128 · (H·õ)[ρ] (a bit
+        # permutation of the coordinates leaves H unchanged); splits merge linearly after it
+        o = gl.convert_layout(_wht_rows(gl.convert_layout(acc * inv[None, :], _QL)), _MMA)
+        o = o * gl.load(osgn_ptr + dims)[:, None]
     if NUM_SPLITS == 1:  # the group's only split: its rows are final
         orow = b.to(gl.int64) * so_r + (kvh * GROUP + heads) * so_h
         gl.store(out_ptr + orow[None, :] + dim[:, None], o.to(out_ptr.dtype.element_ty),
@@ -727,10 +950,10 @@ MAXNREG = 255
 
 def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
           scale, new_kv=None):
-    m = spec.layout
+    m, fmt = spec.layout, spec.mma
     kf = spec.key_fields[0]
     groups = seq_lens.numel() * kv_cache.shape[1]
-    tab, sgn, ksgn = _tables(spec, q.device)
+    tab, sgn, ksgn, vtab, osgn = _tables(spec, q.device)
     lse_arg = lse if lse is not None else plse
     args = (q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
             block_table, block_table.stride(0), seq_lens,
@@ -739,6 +962,9 @@ def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
             out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
             _counters(q.device, groups + 3), num_splits, sgn, float(scale) * 1.4426950408889634)
     if new_kv is not None:
+        if not fmt.store:
+            raise ValueError(f"new_kv: the tensor-core kernel does not store {spec.codec.preset.name} "
+                             f"tokens (the store kernel runs first)")
         kn, vn, slots = new_kv
         if kn.shape != (seq_lens.numel(), kv_cache.shape[1], 128) or vn.shape != kn.shape:
             raise ValueError(f"new_kv: key/value {tuple(kn.shape)} / {tuple(vn.shape)}, expected "
@@ -750,10 +976,12 @@ def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
                  spec.tables_on(q.device)[0], ksgn)
     else:
         args += (q, 0, 0, q, 0, 0, seq_lens, tab, tab)
+    args += (vtab, osgn)
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
-                KN_OFF=m.kn_off, V_OFF=spec.value_fields[0].off, VS_OFF=m.vs_off,
-                VZ_OFF=m.vz_off, WRITE_LSE=lse is not None, STORE=new_kv is not None,
-                K_LUT=kf.lut, K_BND=kf.bnd, ASSIGN=num_splits > 1,
+                KN_OFF=m.kn_off, V_OFF=spec.value_fields[0].off,
+                VS_OFF=m.vn_off if fmt.vals else m.vs_off, VZ_OFF=m.vz_off,
+                WRITE_LSE=lse is not None, STORE=new_kv is not None,
+                K_LUT=kf.lut, K_BND=kf.bnd, KEYS=fmt.keys, VALS=fmt.vals, ASSIGN=num_splits > 1,
                 n_older=min(groups * num_splits, OLDER_PER_SM * num_sms(q.device)),
                 w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1], num_warps=1, maxnreg=MAXNREG)
     return args, meta
@@ -767,6 +995,7 @@ def programs_per_sm(spec, q, kv_cache, block_table, seq_lens, group: int,
     """One-warp programs an SM holds at once, from the register count of the kernel build that
     :func:`launch` runs for these arguments (the split count fills one wave of them)."""
     key = (id(spec), group, kv_cache.shape[1], q.dtype, str(q.device), new_kv is not None)
+    # (the spec fixes the key and value formats)
     if key not in _RESIDENT:
         part = torch.empty(*q.shape[:2], 16, q.shape[2], device=q.device)
         plse = torch.empty(*q.shape[:2], 16, device=q.device)
@@ -823,16 +1052,28 @@ _TABLES: dict = {}
 def _tables(spec, device) -> tuple:
     """On device, cached per spec: the key codebook as the 4 int32 prmt table words, one copy
     per lane [32, 4]; the rotation's signs s[σ(k)]/√128 in operand order (R = diag(s)·H/√128,
-    :func:`_fused_query`); s/√128 in natural order (:func:`_store_new_token`)."""
+    :func:`_fused_query`); s/√128 in natural order (:func:`_store_new_token`); rotated values
+    (VALS 1): their codebook's table words [32, 4] and s/√128 at each output row's coordinate
+    (:func:`value_row_coord`)."""
     key = (id(spec), str(device))
     if key not in _TABLES:
-        kf = spec.key_fields[0]
-        words = _asm.lut3_table_words(spec.table[kf.lut:kf.lut + 8].tolist())
+        fmt, kf = spec.mma, spec.key_fields[0]
+        if fmt.keys == 0:
+            words = _asm.lut3_table_words(spec.table[kf.lut:kf.lut + 8].tolist())
+        else:
+            words = _asm.symmetric_table_words(spec.table[kf.lut:kf.lut + 16].tolist())
         r = spec.codec.rotation.float().cpu()
         if not is_signed_hadamard(r):
             raise ValueError("the tensor-core kernel needs a rotation diag(s)·H/√128")
         s = torch.sign(r[:, 0]) / 128 ** 0.5
+        vwords, osgn = words, s
+        if fmt.vals:
+            vf = spec.value_fields[0]
+            vwords = _asm.lut3_table_words(spec.table[vf.lut:vf.lut + 8].tolist())
+            osgn = s[value_row_coord(torch.arange(128))]
         _TABLES[key] = (torch.tensor([words] * 32, dtype=torch.int32, device=device),
-                        s[operand_coord(torch.arange(128))].float().to(device),
-                        s.float().to(device))
+                        s[operand_coord(torch.arange(128), fmt.keys)].float().to(device),
+                        s.float().to(device),
+                        torch.tensor([vwords] * 32, dtype=torch.int32, device=device),
+                        osgn.float().to(device))
     return _TABLES[key]

@@ -80,12 +80,17 @@ def plain(query_start_loc=None, query_pos_start=None, window=None, softcap=0.0) 
     return query_start_loc is None and query_pos_start is None and not window and not softcap
 
 
-def decode_kernel_store(spec, q: torch.Tensor, num_kv_heads: int, plain: bool) -> str:
-    """For a Triton decode call (spec: its KernelSpec; plain: see :func:`plain`): DECODE_KERNEL
-    where the tensor-core kernel serves it — it always stores a step's new token itself — else
-    STORE_KERNEL."""
+def tensor_core_decode(spec, q: torch.Tensor, num_kv_heads: int, plain: bool) -> bool:
+    """Whether the tensor-core kernel runs a Triton decode call (spec: its KernelSpec; plain:
+    see :func:`plain`)."""
     group = q.shape[1] // num_kv_heads
-    if plain and spec.mma and group <= MAX_MMA_GROUP and tensor_cores(q.device):
+    return bool(plain and spec.mma and group <= MAX_MMA_GROUP and tensor_cores(q.device))
+
+
+def decode_kernel_store(spec, q: torch.Tensor, num_kv_heads: int, plain: bool) -> str:
+    """For a Triton decode call: DECODE_KERNEL where the tensor-core kernel runs it and stores
+    the step's new token itself (its layouts with ``spec.mma.store``), else STORE_KERNEL."""
+    if tensor_core_decode(spec, q, num_kv_heads, plain) and spec.mma.store:
         return DECODE_KERNEL
     return STORE_KERNEL
 

@@ -28,16 +28,15 @@ kernel reading a tile of tokens issues wide coalesced loads:
 * the slot's pad byte (slots are padded to an even size) goes to a tail of ``block_size``
   bytes at the end of the page; it is always 0.
 
-* 3-bit key code sub-planes are column-major: byte position ``g`` of all ``block_size``
-  tokens, then ``g + 1``…, so a thread of the decode kernel loads 4-byte words of 4 consecutive
-  tokens of one byte position and converts them in registers into the order in which the QK
-  dot's operand (tokens along N) goes to shared memory in 16-byte stores; every other plane is
-  token-major (value dot operands have dimensions along N; the byte-wise paths of other key
-  widths load token rows).
+* 3-bit code sub-planes (keys and values) are column-major: byte position ``g`` of all
+  ``block_size`` tokens, then ``g + 1``…, so a thread loads 4- or 8-byte words of consecutive
+  tokens of one byte position and converts them in registers: into pairs of one token's
+  coordinates (a QK operand) or of one coordinate's tokens (a PV operand, tensor-core decode);
+  every other plane is token-major (4-bit codes hold a token's coordinate pairs in a byte).
 
 So byte ``j`` of field ``f`` of the token at page offset ``t`` (after the bit reorder of 3-bit
 words) lives at ``block_size·f.offset + s·block_size·G + t·G + g`` (token-major planes) or
-``block_size·f.offset + s·block_size·G + g·block_size + t`` (3-bit key fields) with ``W = 3``
+``block_size·f.offset + s·block_size·G + g·block_size + t`` (3-bit fields) with ``W = 3``
 (3-bit, a multiple of 8 codes) or 1, ``G = f.nbytes / W``, ``s = j % W``, ``g = j // W``;
 :func:`page_positions` tabulates it.
 With block sizes that are multiples of 16 every plane starts 16-byte aligned. Pages are
@@ -82,8 +81,9 @@ def field_words(f: Field) -> int:
 
 
 def column_major(f: Field) -> bool:
-    """3-bit key code planes are stored byte position after byte position (module docstring)."""
-    return f.name.startswith("k_idx") and field_words(f) == 3
+    """3-bit code planes (keys and values) are stored byte position after byte position (module
+    docstring)."""
+    return field_words(f) == 3
 
 
 @lru_cache(maxsize=None)

@@ -98,7 +98,8 @@ def _engine_kwargs(model: str, kv_cache_dtype: str, args) -> dict:
     common = dict(kv_cache_dtype=kv_cache_dtype, device=args.device, dtype=args.dtype,
                   max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                   max_num_seqs=8, max_num_batched_tokens=max(args.chunks), enable_prefix_caching=False,
-                  # ranks run no start-up calibration yet: the one process compresses like them
+                  # every layer compressed uncentered on both sides: the figures measure the
+                  # sharding alone (the calibration's choices are tested in test_tensor_parallel)
                   kv_cache_key_centering=False, kv_cache_dtype_skip_layers=[])
     if model in list_model_configs():
         common["load_format"] = "dummy"

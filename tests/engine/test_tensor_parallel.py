@@ -23,8 +23,8 @@ from tqattn.engine.parallel import TensorParallelError
 from tqattn.models.sharding import split_heads
 
 ROOT = Path(__file__).resolve().parents[2]
-# No start-up calibration with tensor parallelism yet: one process compresses like the ranks
-# (every layer, uncentered) only with centering and automatic routing off.
+# Every layer compressed uncentered (centering and automatic routing off) unless a test asks
+# for the start-up calibration.
 ENGINE = dict(load_format="dummy", device="cpu", max_model_len=256, kv_cache_memory_bytes=1 << 22,
               max_num_seqs=4, max_num_batched_tokens=64, kv_cache_key_centering=False,
               kv_cache_dtype_skip_layers=[])
@@ -97,12 +97,6 @@ def test_engine_args_reject_a_bad_tensor_parallel_size(bad):
         EngineArgs(model="llama-tiny", tensor_parallel_size=bad)
 
 
-def test_key_centering_on_request_is_refused_with_tensor_parallelism():
-    with pytest.raises(ValueError, match=r"kv_cache_key_centering=True needs the start-up "
-                                         r"calibration.*tensor_parallel_size=2"):
-        EngineArgs(model="llama-tiny", tensor_parallel_size=2, kv_cache_key_centering=True)
-
-
 @pytest.mark.parametrize("tp, message", [
     (3, r"tensor_parallel_size=3 does not divide the model's 4 attention heads"),
     (8, r"tensor_parallel_size=8 is more than the model's 4 attention heads"),
@@ -156,6 +150,33 @@ def test_two_ranks_match_one_process_turboquant_and_stop_when_deleted():
     del tp
     gc.collect()
     assert_gone(pids)
+
+
+@cpu_only
+@pytest.mark.parametrize("centering", [True, None])
+def test_two_ranks_calibrate_like_one_process(centering):
+    """The start-up calibration under tensor parallelism: each rank centers its own KV heads by
+    their own mean keys and the per-layer errors are averaged over the ranks, so the ranks
+    choose what one process chooses (centered layers, automatic routing) and generate alike.
+    centering=True centers every compressed layer; None lets the calibration choose."""
+    kw = dict(ENGINE, kv_cache_dtype="tq_k4v3", kv_cache_key_centering=centering,
+              kv_cache_dtype_skip_layers="auto")
+    one = LLM("qwen3-tiny", **kw)
+    tokens_one = generate(one)
+    tp = LLM("qwen3-tiny", tensor_parallel_size=2, **kw)
+    a, b = one.llm_engine.key_plan, tp.llm_engine.key_plan
+    assert (b.centered_layers, b.full_precision, b.auto_layers) == \
+        (a.centered_layers, a.full_precision, a.auto_layers)
+    if centering:
+        assert a.centered_layers  # the offsets are applied: the case is not vacuous
+        # rank 0 holds KV head 0 of 2: its offsets are one process's first head's
+        mu_one, mu_tp = a.key_offsets[a.centered_layers[0]], b.key_offsets[b.centered_layers[0]]
+        assert mu_tp.shape[0] == 1 and torch.allclose(mu_tp[0], mu_one[0], atol=1e-5)
+    errors = torch.tensor(b.calibration.errors_centered + b.calibration.errors_uncentered)
+    assert torch.allclose(errors, torch.tensor(a.calibration.errors_centered
+                                               + a.calibration.errors_uncentered), rtol=1e-3)
+    assert_greedy_agrees(one, generate(tp), tokens_one)
+    tp.shutdown()
 
 
 @cpu_only

@@ -280,10 +280,24 @@ def cache_path(fingerprint: str, preset: str, input_ids: list[int], positions: l
 
 
 def calibrate(model: torch.nn.Module, tokenizer, *, preset: str, head_dim: int, num_layers: int,
-              vocab_size: int, max_model_len: int, use_cache: bool = True) -> Calibration:
+              vocab_size: int, max_model_len: int, use_cache: bool = True,
+              average=None) -> Calibration:
     """The calibration of ``model`` for ``preset``: from the cache, else from the passes (then
-    cached). ``seconds`` is the whole call's time."""
+    cached). ``seconds`` is the whole call's time.
+
+    ``average`` (tensor parallelism: every rank calls this with its shard): the mean of a list
+    of floats over the ranks. The passes then always run (the ranks' forwards are collective)
+    and the per-layer errors, each rank's over its own heads, are averaged so that every rank
+    makes the same choices; the key offsets stay per rank (its own KV heads)."""
     t0 = time.perf_counter()
+    if average is not None:
+        ids = calibration_token_ids(tokenizer, vocab_size)
+        cal = run_calibration(model, ids, preset, head_dim, num_layers,
+                              pass_positions(len(ids), max_model_len))
+        both = average(cal.errors_centered + cal.errors_uncentered)
+        cal.errors_centered, cal.errors_uncentered = both[:num_layers], both[num_layers:]
+        cal.seconds = time.perf_counter() - t0
+        return cal
     ids = calibration_token_ids(tokenizer, vocab_size)
     positions = pass_positions(len(ids), max_model_len)
     path = cache_path(weights_fingerprint(model), preset, ids, positions)
@@ -358,7 +372,8 @@ class KeyPlan:
 
 def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_cache_dtype: str,
               skip_layers, boundary_layers: int | None, key_centering: bool | None,
-              auto_skip_budget: float, max_model_len: int, use_cache: bool = True) -> KeyPlan:
+              auto_skip_budget: float, max_model_len: int, use_cache: bool = True,
+              average=None) -> KeyPlan:
     """Calibrate if the settings need it (a TurboQuant ``kv_cache_dtype`` with key centering or
     ``"auto"`` routing), choose the centered layers and the automatic ones."""
     from ..attention.selector import full_precision_layers, wants_auto_layers
@@ -374,7 +389,7 @@ def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_ca
         return KeyPlan(None, [], None)
     cal = calibrate(model, tokenizer, preset=kv_cache_dtype, head_dim=info.head_dim,
                     num_layers=info.num_layers, vocab_size=info.vocab_size,
-                    max_model_len=max_model_len, use_cache=use_cache)
+                    max_model_len=max_model_len, use_cache=use_cache, average=average)
     centered = cal.centered_layers(mode)
     layers, line = (choose_auto_layers(cal.errors(centered), info, kv_cache_dtype, skip_layers,
                                        boundary_layers, auto_skip_budget) if auto else (None, None))

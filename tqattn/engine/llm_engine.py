@@ -30,8 +30,7 @@ from tqattn.attention.backend import AttentionLayerSpec
 from tqattn.attention.hf_attention import use_tqattn
 from tqattn.attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, FULL_PRECISION,
                                        build_attention_layers, describe_full_precision,
-                                       describe_plan, full_precision_layers, resolve_kv_cache_dtypes,
-                                       wants_auto_layers)
+                                       describe_plan, full_precision_layers, resolve_kv_cache_dtypes)
 from tqattn.models import load_config, load_model
 from tqattn.models.loader import LoadedModel
 from tqattn.models.sharding import split_heads
@@ -116,10 +115,6 @@ class EngineArgs:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer (1 = no tensor "
                              f"parallelism), got {tp!r}")
-        if tp > 1 and self.kv_cache_key_centering:
-            raise ValueError("kv_cache_key_centering=True needs the start-up calibration, which "
-                             f"does not run with tensor parallelism yet (tensor_parallel_size={tp}); "
-                             "use kv_cache_key_centering=None or False")
         if self.enforce_eager and self.compile_model:
             raise ValueError("enforce_eager=True runs the model eagerly (no compilation, no CUDA "
                              "graphs); it cannot be combined with compile_model=True")
@@ -162,7 +157,7 @@ def build_model_runner(args: EngineArgs, device: torch.device,
     loaded = load_model(args.model, dtype=args.dtype, load_format=args.load_format, device=device,
                         seed=args.seed, max_model_len=args.max_model_len,
                         tensor_parallel_size=args.tensor_parallel_size)
-    key_plan = plan_keys(args, loaded)
+    key_plan = plan_keys(args, loaded, tp)
     layers = attention_layers(args, loaded, key_plan)
     calibration.apply_key_offsets(layers, key_plan, device)
     use_tqattn(loaded.model, [layer.spec for layer in layers])
@@ -172,26 +167,19 @@ def build_model_runner(args: EngineArgs, device: torch.device,
     return loaded, layers, runner, key_plan
 
 
-def plan_keys(args: EngineArgs, loaded: LoadedModel) -> calibration.KeyPlan:
+def plan_keys(args: EngineArgs, loaded: LoadedModel,
+              tp: parallel.TensorParallelGroup | None = None) -> calibration.KeyPlan:
     """Key centering and automatic routing from the start-up calibration (its seconds in
-    ``key_plan.seconds``). With tensor parallelism the calibration does not run yet — each rank
-    holds some heads, and the ranks' choices would have to agree — so every layer is compressed
-    uncentered there (logged)."""
+    ``key_plan.seconds``). With tensor parallelism every rank calibrates its own heads in the
+    same collective passes and the per-layer errors are averaged over the ranks, so all ranks
+    choose the same layers."""
     t0 = time.perf_counter()
-    if args.tensor_parallel_size > 1:
-        auto = wants_auto_layers(args.kv_cache_dtype_skip_layers)
-        if args.kv_cache_dtype in PRESETS:
-            logger.warning("tensor_parallel_size=%d: no start-up calibration yet, so no key "
-                           "centering and no automatic routing (every layer not listed in "
-                           "kv_cache_dtype_skip_layers is compressed as it is)",
-                           args.tensor_parallel_size)
-        plan = calibration.KeyPlan(None, [], [] if auto else None)
-    else:
-        plan = calibration.plan_keys(
-            loaded.model, loaded.tokenizer, loaded.info, loaded.name,
-            kv_cache_dtype=args.kv_cache_dtype, skip_layers=args.kv_cache_dtype_skip_layers,
-            boundary_layers=args.kv_cache_boundary_layers, key_centering=args.kv_cache_key_centering,
-            auto_skip_budget=args.kv_cache_auto_skip_budget, max_model_len=loaded.max_model_len)
+    plan = calibration.plan_keys(
+        loaded.model, loaded.tokenizer, loaded.info, loaded.name,
+        kv_cache_dtype=args.kv_cache_dtype, skip_layers=args.kv_cache_dtype_skip_layers,
+        boundary_layers=args.kv_cache_boundary_layers, key_centering=args.kv_cache_key_centering,
+        auto_skip_budget=args.kv_cache_auto_skip_budget, max_model_len=loaded.max_model_len,
+        average=tp.mean if tp is not None else None)
     plan.seconds = time.perf_counter() - t0
     return plan
 

@@ -125,6 +125,12 @@ class TensorParallelGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
+    def mean(self, values: list[float]) -> list[float]:
+        """The mean over ranks of each value, the same on every rank (every rank calls it)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.cpu_group)
+        return (t / self.world_size).tolist()
+
     @contextlib.contextmanager
     def collective(self):
         """Rank 0: a call every rank takes part in; if it fails, the workers are stopped and the

@@ -21,7 +21,7 @@ copies is waited on before the next write.
 A step is filled in two halves: :meth:`InputBatch.fill` (or ``fill_decode``) writes the host
 buffers and returns them as a :class:`StepHost`; :meth:`InputBatch.upload` (or ``to_static``)
 moves them to the device. With tensor parallelism rank 0 fills, sends the StepHost to the other
-ranks, and each of them :meth:`InputBatch.load`\ s it into its own buffers before uploading.
+ranks, and each of them :meth:`InputBatch.load` loads it into its own buffers before uploading.
 """
 
 from __future__ import annotations

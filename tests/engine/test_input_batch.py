@@ -139,7 +139,7 @@ def test_matches_the_per_sequence_tensors(seed, monkeypatch):
             decode_steps += 1
             bucket = rng.choice([b for b in (1, 2, 4, 8, 16) if b >= len(scheduled)])
             if rng.random() < 0.5:
-                batch.prepare_decode(scheduled, bucket, new_static)
+                batch.to_static(batch.fill_decode(scheduled, bucket), new_static)
             else:
                 other.to_static(other.load(pickle.loads(pickle.dumps(batch.fill_decode(scheduled, bucket)))),
                                 new_static)

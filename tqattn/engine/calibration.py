@@ -43,6 +43,7 @@ import hashlib
 import json
 import logging
 import time
+from statistics import median
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,12 +103,6 @@ class Calibration:
                 f"layer{fp}: median {median(errs):.3g} nats, max {all_errs[worst]:.3g} (layer "
                 f"{worst}); without centering: median {median(self.errors_uncentered):.3g}, "
                 f"max {max(self.errors_uncentered):.3g}")
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 # ---- the passes ---------------------------------------------------------------------------------
@@ -290,17 +285,10 @@ def calibrate(model: torch.nn.Module, tokenizer, *, preset: str, head_dim: int, 
     and the per-layer errors, each rank's over its own heads, are averaged so that every rank
     makes the same choices; the key offsets stay per rank (its own KV heads)."""
     t0 = time.perf_counter()
-    if average is not None:
-        ids = calibration_token_ids(tokenizer, vocab_size)
-        cal = run_calibration(model, ids, preset, head_dim, num_layers,
-                              pass_positions(len(ids), max_model_len))
-        both = average(cal.errors_centered + cal.errors_uncentered)
-        cal.errors_centered, cal.errors_uncentered = both[:num_layers], both[num_layers:]
-        cal.seconds = time.perf_counter() - t0
-        return cal
     ids = calibration_token_ids(tokenizer, vocab_size)
     positions = pass_positions(len(ids), max_model_len)
-    path = cache_path(weights_fingerprint(model), preset, ids, positions)
+    use_cache = use_cache and average is None  # every rank must run the passes
+    path = cache_path(weights_fingerprint(model), preset, ids, positions) if use_cache else None
     if use_cache and path.is_file():
         try:
             d = torch.load(path, weights_only=True)
@@ -311,6 +299,9 @@ def calibrate(model: torch.nn.Module, tokenizer, *, preset: str, head_dim: int, 
         except Exception as e:  # a truncated or foreign file: compute again and overwrite it
             logger.warning("ignoring an unreadable calibration cache file %s (%s)", path, e)
     cal = run_calibration(model, ids, preset, head_dim, num_layers, positions)
+    if average is not None:
+        both = average(cal.errors_centered + cal.errors_uncentered)
+        cal.errors_centered, cal.errors_uncentered = both[:num_layers], both[num_layers:]
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".partial")

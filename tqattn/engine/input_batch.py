@@ -304,13 +304,9 @@ class InputBatch:
         np.take(self.rows[g][:, :have], rows, axis=0, out=out[:, :have])
         out[:, have:] = 0
 
-    def prepare_decode(self, scheduled, bucket: int, static: dict) -> None:
-        """Write a pure-decode step straight into a CUDA graph's static buffers, padded to bucket
-        (padding rows: seq_len 0, block ids 0, slot -1)."""
-        self.to_static(self.fill_decode(scheduled, bucket), static)
-
     def fill_decode(self, scheduled, bucket: int) -> StepHost:
-        """A pure-decode step's host buffers, padded to bucket (see prepare_decode)."""
+        """A pure-decode step's host buffers, padded to bucket (padding rows: seq_len 0, block
+        ids 0, slot -1), for :meth:`to_static` into a CUDA graph's static buffers."""
         self._wait_for_copies()
         bs, n = self.block_size, len(scheduled)
         rows = self.rows_for(scheduled)

@@ -150,7 +150,8 @@ def setup_compilation(args: EngineArgs, device: torch.device) -> bool:
 
 
 def build_model_runner(args: EngineArgs, device: torch.device,
-                       tp: parallel.TensorParallelGroup | None = None) -> tuple[LoadedModel, list, ModelRunner]:
+                       tp: parallel.TensorParallelGroup | None = None
+                       ) -> tuple[LoadedModel, list, ModelRunner, calibration.KeyPlan]:
     """Load the model (this rank's shard with tensor parallelism), bind its attention to the
     per-layer KV-cache plan and wrap it in a model runner: the start-up every rank runs alike."""
     compile_model = resolve_compile_model(args, device)

@@ -14,6 +14,7 @@ warm replays (what an L2-resident working set costs).
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import statistics
 import subprocess
@@ -137,6 +138,14 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> dict:
 
 def environment() -> dict:
     import triton
+    if not torch.cuda.is_available():  # a CPU run (e.g. compiled_vs_eager.py --device cpu)
+        from tqattn.attention.env_report import collect_env
+        return {"device": f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+                "torch": torch.__version__, "triton": triton.__version__,
+                "python": platform.python_version(),
+                **{k: v for k, v in collect_env().items() if k in ("transformers", "tqattn")},
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "command": " ".join(["python3"] + sys.argv)}
     props = torch.cuda.get_device_properties(0)
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm",

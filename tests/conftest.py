@@ -3,6 +3,12 @@ import os
 import pytest
 import torch
 
+# Without CUDA the Triton kernels run under triton's interpreter, which a @triton.jit function
+# reads when it is defined: set before any test module imports a kernel, whatever the order in
+# which test directories are collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     # GPU tests are deselected by default (addopts: -m 'not gpu'); if someone selects them on a

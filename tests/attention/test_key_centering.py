@@ -1,12 +1,7 @@
 """Key centering in the TurboQuant backend: exact on every path, refused where it is not."""
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tqattn.attention.key_centering import KeyOffset, centering_unsupported_reason
 from tqattn.attention.turboquant import TurboQuantImpl

@@ -1,12 +1,7 @@
 import importlib.util
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # The Triton kernels run under the interpreter on CPU; it must be on before they are imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tqattn.attention import fa_utils
 from tqattn.attention import turboquant as tq

@@ -1,8 +1,9 @@
 """Kernel tests: on a machine without CUDA the Triton kernels run under triton's interpreter.
 
-``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is defined, so it is set only while
-the kernel modules are imported here and restored right after: other test directories never see
-it. With CUDA (``pytest -m gpu``) the kernels compile normally.
+``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is defined; tests/conftest.py sets
+it for the whole CPU session before any test module is imported, and the kernel modules are
+imported here under it (also when this directory runs alone with the flag unset by the caller).
+With CUDA (``pytest -m gpu``) the kernels compile normally.
 """
 
 import importlib

@@ -10,8 +10,8 @@ run, so the parts (load, compile, warm-up, graph capture) are the whole start-up
 
 Issue 24's bound for Qwen3-4B: <= 120 s with empty caches, <= 45 s with warm ones. Each run also
 says how the warm-up got its Triton builds (from the disk cache / compiled) and what the kernel
-precompile did (tqattn/engine/precompile.py, opt-in: ``--precompile on`` sets TQATTN_PRECOMPILE=1
-in the child's environment, ``off`` sets 0).
+precompile did (tqattn/engine/precompile.py, on by default: ``--precompile on`` sets
+TQATTN_PRECOMPILE=1 in the child's environment, ``off`` sets 0).
 """
 
 from __future__ import annotations

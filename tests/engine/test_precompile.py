@@ -232,12 +232,17 @@ def test_off_on_cpu_with_enforce_eager_and_when_asked(monkeypatch, caplog):
     cuda = torch.device("cuda")  # a device object only: nothing starts in these cases
     assert precompile.start(torch.device("cpu"), False) is None
     assert precompile.start(cuda, True) is None
-    monkeypatch.delenv(precompile.ENV, raising=False)   # opt-in: off unless asked for
-    assert precompile.start(cuda, False) is None
     monkeypatch.setenv(precompile.ENV, "0")
     assert precompile.start(cuda, False) is None
-    monkeypatch.setenv(precompile.ENV, "1")
+    monkeypatch.setenv(precompile.ENV, "yes")
+    with pytest.raises(ValueError, match="TQATTN_PRECOMPILE='yes': expected 1 .* 0 .* or force"):
+        precompile.start(cuda, False)
+    monkeypatch.delenv(precompile.ENV, raising=False)   # on by default: tries, says why not
     with caplog.at_level(logging.INFO, logger="tqattn.engine.precompile"):
+        monkeypatch.setenv(precompile.WORKERS_ENV, "1")
+        assert precompile.start(cuda, False) is None
+        assert caplog.text.count("1 worker process(es) would not compile in parallel") == 1
+        monkeypatch.setenv(precompile.ENV, "1")
         for workers in ("1", "many"):
             monkeypatch.setenv(precompile.WORKERS_ENV, workers)
             assert precompile.start(cuda, False) is None

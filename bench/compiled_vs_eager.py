@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import environment  # noqa: E402
 from tqattn import LLM, SamplingParams  # noqa: E402
+from tqattn.engine import compilation  # noqa: E402
 from tqattn.evals import gsm8k, scoring  # noqa: E402
 
 TEXT = " ".join(["The quick brown fox jumps over the lazy dog while the river runs to the sea."] * 12)
@@ -107,8 +108,13 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--tokens", type=int, default=160)
     p.add_argument("--device", default="cuda", help="cpu: the teacher-forced part only (no graphs)")
+    p.add_argument("--no-emulate-casts", action="store_true",
+                   help="lab: Inductor keeps fused intermediates in fp32 (its default) instead of "
+                        "rounding where eager rounds, to measure what the engine's setting buys")
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    if a.no_emulate_casts:
+        compilation.INDUCTOR_OPTIONS["emulate_precision_casts"] = False
     out = {"command": " ".join(sys.argv), "env": environment(), "decode_path": [], "gate": []}
     for kv in filter(None, a.kv_cache_dtypes.split(",")):
         out["decode_path"].append(decode_path(kv, a.tokens, a.device))

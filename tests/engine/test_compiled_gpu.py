@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from tqattn import LLM, SamplingParams  # noqa: E402
 
 from .test_llm_reference import random_prompts  # noqa: E402
+from .test_model_runner_gpu import spy_replays  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -67,15 +68,7 @@ def test_graphs_change_no_token_at_capture_sizes(kv_cache_dtype):
     llm = LLM("qwen3-tiny", kv_cache_dtype=kv_cache_dtype, **COMMON)  # compiled: the CUDA default
     runner = llm.llm_engine.runner
     assert runner.compile_model and sorted(runner.graphs) == [1, 2, 4, 8]
-    replays = []   # the graph bucket of each replayed step
-    run_step = runner.run_step
-
-    def spy(host, *args, **kwargs):
-        if host.bucket is not None:
-            replays.append(host.bucket)
-        return run_step(host, *args, **kwargs)
-
-    runner.run_step = spy
+    replays = spy_replays(runner)
     for batch in (1, 2, 4, 8):
         prompts = [{"prompt_token_ids": p} for p in random_prompts([5 + 7 * i for i in range(batch)],
                                                                    seed=batch)]

@@ -18,11 +18,9 @@ seconds of one core). With the precompile, start-up:
 It only moves compilation earlier and elsewhere: the same builds are compiled, the same steps
 run afterwards. A build the pool did not deliver is compiled by the warm-up as before, and any
 failure logs one line and leaves the warm-up as it was. On by default for the triton versions
-it was tested with (on an H100, Qwen3-4B with ``turboquant_k3v4_nc``: 12 builds by 15 workers in
-7.9 s, the warm-up 4.4 s after it, where the warm-up alone had compiled for 40.2 s;
-bench/results/README.md); ``TQATTN_PRECOMPILE=0`` turns it off, ``=force`` on with any triton;
-``TQATTN_PRECOMPILE_WORKERS`` sets the pool size (default: CPU cores - 1, at most 16). Off on
-CPU and with ``enforce_eager``.
+it was tested with (its start-up measurement: bench/results/README.md); ``TQATTN_PRECOMPILE=0``
+turns it off, ``=force`` on with any triton; ``TQATTN_PRECOMPILE_WORKERS`` sets the pool size
+(default: CPU cores - 1, at most 16). Off on CPU and with ``enforce_eager``.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="markdown file to write")
     a = p.parse_args()
     lines = ["# Step check re-read from recorded throughput runs", "",
-             f"Command: `python {' '.join(sys.argv)}`", "", f"Rule: {report.STEP_RULE}.", "",
+             f"- command: `python {' '.join(sys.argv)}`", "", f"Rule: {report.STEP_RULE}.", "",
              "| run | kv-cache dtype | device | steps | recorded check (host wall) | check now | "
              "timeline | on host wall times | worst now |",
              "|---|---|---|---|---|---|---|---|---|"]

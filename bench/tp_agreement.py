@@ -157,7 +157,7 @@ def noise_floor(case: str, args) -> dict:
 def markdown(result: dict) -> str:
     env = result["env"]
     lines = [f"# Tensor parallelism against one process ({env['device']})", "",
-             f"Command: `{env['command']}`; torch {env.get('torch')}, transformers {env.get('transformers')}, "
+             f"- command: `{env['command']}`; torch {env.get('torch')}, transformers {env.get('transformers')}, "
              f"python {env['python']}, {env['date']}.", "",
              "| case | chunk | max abs Δ log-prob | top-1 agreement | centred cosine | greedy identical | "
              "start-up s (1 / N) |", "|---|---|---|---|---|---|---|"]

@@ -215,7 +215,7 @@ def provenance(env: dict, command: str | None) -> list[str]:
         ("python", "python"), ("torch", "torch"), ("triton", "triton"), ("transformers", "transformers"),
         ("tqattn", "tqattn"), ("tokenspeed-fa3", "tokenspeed_fa3"), ("FlashAttention versions", "fa_versions"))
         if env.get(key) is not None)
-    return [f"Device {dev}; {versions}.", f"Command: `{command}`" if command else "Command: not recorded."]
+    return [f"Device {dev}; {versions}.", f"- command: `{command}`" if command else "- command: not recorded."]
 
 
 def markdown(result: dict) -> str:

@@ -136,16 +136,7 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> dict:
     return {"bytes": nbytes, "ms": ms, "gbs_rw": 2 * nbytes / ms / 1e6}
 
 
-def environment() -> dict:
-    import triton
-    if not torch.cuda.is_available():  # a CPU run (e.g. compiled_vs_eager.py --device cpu)
-        from tqattn.attention.env_report import collect_env
-        return {"device": f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
-                "torch": torch.__version__, "triton": triton.__version__,
-                "python": platform.python_version(),
-                **{k: v for k, v in collect_env().items() if k in ("transformers", "tqattn")},
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": " ".join(["python3"] + sys.argv)}
+def _cuda_device() -> dict:
     props = torch.cuda.get_device_properties(0)
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm",
@@ -153,11 +144,23 @@ def environment() -> dict:
                              timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001 - informational only
         smi = ""
-    from tqattn.attention.env_report import collect_env
-    versions = {k: v for k, v in collect_env().items()
-                if k in ("transformers", "tokenspeed_fa3", "flash_attn_4", "fa_versions", "tqattn")}
     return {"device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
-            "nvidia_smi": smi, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "triton": triton.__version__, "python": platform.python_version(), **versions,
+            "nvidia_smi": smi, "cuda": torch.version.cuda}
+
+
+def environment() -> dict:
+    """Device, versions, date and command of a run (on a CPU: e.g. compiled_vs_eager.py
+    --device cpu)."""
+    import triton
+
+    from tqattn.attention.env_report import collect_env
+    cuda = torch.cuda.is_available()
+    keep = (("transformers", "tokenspeed_fa3", "flash_attn_4", "fa_versions", "tqattn") if cuda
+            else ("transformers", "tqattn"))
+    device = (_cuda_device() if cuda else
+              {"device": f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"})
+    return {**device, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
+            **{k: v for k, v in collect_env().items() if k in keep},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python3"] + sys.argv)}

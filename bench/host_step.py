@@ -37,6 +37,11 @@ class _NoGraph:
         pass
 
 
+# the input batch's step halves: host buffers filled, then moved to the device or the graph's
+# static buffers
+INPUT_BATCH_METHODS = ("fill", "fill_decode", "upload", "to_static")
+
+
 def _timed(obj, name, acc, label=None):
     """Replace obj.name by a wrapper adding its seconds to acc[label or name]."""
     fn, key = getattr(obj, name), label or name
@@ -83,7 +88,7 @@ def run(args) -> dict:
     _timed(engine.scheduler, "schedule", acc)
     _timed(engine.scheduler, "update_from_output", acc)
     # inputs: host buffers filled, moved to the device (or the graph's static buffers), metadata built
-    for name in ("fill", "fill_decode", "upload", "to_static"):
+    for name in INPUT_BATCH_METHODS:
         _timed(runner.input_batch, name, acc, "inputs")
     _timed(runner, "_metadata", acc, "inputs")
     _timed(runner.sampler, "sample", acc)

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import environment  # noqa: E402
+from bench.host_step import INPUT_BATCH_METHODS  # noqa: E402
 from bench.host_step import _timed as _wrap  # noqa: E402
 from tqattn import LLM, SamplingParams  # noqa: E402
 from tqattn.engine import model_runner  # noqa: E402
@@ -54,7 +55,7 @@ def run(model: str, kv_cache_dtype: str, prompt_len: int, max_num_seqs: int) -> 
     acc: dict[str, float] = defaultdict(float)
     _wrap(engine.scheduler, "schedule", acc, "schedule")
     _wrap(runner.input_batch, "_wait_for_copies", acc, "wait_for_copies")
-    for name in ("fill", "fill_decode", "upload", "to_static"):
+    for name in INPUT_BATCH_METHODS:
         _wrap(runner.input_batch, name, acc, "input_batch")
     for b in runner.builders:
         _wrap(b, "build", acc, f"build[{type(b).__name__}]")

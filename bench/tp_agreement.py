@@ -206,8 +206,9 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    md = markdown(result)
+    out.with_suffix(".md").write_text(md)
+    print(md)
 
 
 if __name__ == "__main__":

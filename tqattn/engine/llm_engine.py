@@ -185,14 +185,13 @@ def plan_keys(args: EngineArgs, loaded: LoadedModel,
     return plan
 
 
-def attention_layers(args: EngineArgs, loaded: LoadedModel,
-                     key_plan: calibration.KeyPlan | None = None) -> list:
+def attention_layers(args: EngineArgs, loaded: LoadedModel, key_plan: calibration.KeyPlan) -> list:
     """Each layer's spec from the HF config (this rank's heads with tensor parallelism), its KV
     dtype from the routing (``key_plan.auto_layers``: what automatic routing chose), its
     backend."""
     info = loaded.info
     routing = (info.num_layers, info.sliding_windows)
-    auto = key_plan.auto_layers if key_plan is not None else None
+    auto = key_plan.auto_layers
     dtypes = resolve_kv_cache_dtypes(*routing, args.kv_cache_dtype, args.kv_cache_dtype_skip_layers,
                                      args.kv_cache_boundary_layers, auto)
     if args.kv_cache_dtype in PRESETS and FULL_PRECISION in dtypes:

@@ -506,9 +506,7 @@ def run_gsm8k(cfg: GSMConfig, *, limit: int | None = None,
     key = _reference_key(cfg, n)
     runs: dict[str, dict] = {}
     ran = []                          # the runs made by this call (a shared auto run is not)
-    for kv in (["auto"] if relative or cfg.kv_cache_dtype == "auto" else []) + [cfg.kv_cache_dtype]:
-        if kv in runs:
-            continue
+    for kv in dict.fromkeys((["auto"] if relative else []) + [cfg.kv_cache_dtype]):
         if kv == "auto" and key in refs:
             runs[kv] = refs[key]
             continue

@@ -705,14 +705,13 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     block_m = max(16, min(64, next_pow2(max_query_len * group)))
     row_blocks = triton.cdiv(max_query_len * group, block_m)
     plain = step.plain(query_start_loc, query_pos_start, window, softcap)
-    if step.decode_kernel_store(spec, q, hk, plain) == step.DECODE_KERNEL:
+    mma = step.tensor_core_decode(spec, q, hk, plain)
+    if new_kv is not None and not (mma and spec.mma.store):  # step.decode_kernel_store's rule
+        store.store_kv_triton(codec, new_kv[0], new_kv[1], kv_cache, new_kv[2])
+        new_kv = None
+    if mma:
         return _decode_mma(spec, q, kv_cache, block_table, seq_lens, default_scale(codec, scale),
                            group, num_splits, out, return_lse, new_kv)
-    if new_kv is not None:
-        store.store_kv_triton(codec, new_kv[0], new_kv[1], kv_cache, new_kv[2])
-    if step.tensor_core_decode(spec, q, hk, plain):
-        return _decode_mma(spec, q, kv_cache, block_table, seq_lens, default_scale(codec, scale),
-                           group, num_splits, out, return_lse, None)
     interp = interpreted(q.device)
     block_n, num_warps, asm = launch_config(spec, interp)
     lut, rot = spec.tables_on(q.device)

@@ -78,6 +78,15 @@ def full_fp32_matmul():
             api.fp32_precision = prec
 
 
+def dense_outliers(idx_bytes: torch.Tensor, val_bytes: torch.Tensor, d: int) -> torch.Tensor:
+    """Outliers stored as (channel byte, e4m3 byte) pairs (..., m) scattered into dense (..., d)
+    vectors (0 elsewhere). Channels >= d (bytes never written) add nothing, as in the kernels."""
+    idx = idx_bytes.long().clamp(max=d)
+    val = val_bytes.contiguous().view(torch.float8_e4m3fn)
+    dense = torch.zeros(*idx.shape[:-1], d + 1, device=idx.device)
+    return dense.scatter_add_(-1, idx, val.float())[..., :d]
+
+
 def _read_fp16(slots: torch.Tensor, off: int) -> torch.Tensor:
     # clone, not contiguous(): an already-contiguous slice at an odd offset cannot be viewed as fp16
     return slots[..., off:off + 2].clone(memory_format=torch.contiguous_format).view(torch.float16)[..., 0].float()
@@ -256,11 +265,8 @@ class TQCodec:
         """The stored outliers scattered into dense (..., D) vectors (0 elsewhere). Bytes of
         slots never written may name channels >= D: those add nothing (as in the kernels)."""
         fi, fv = self.layout.field("k_out_idx"), self.layout.field("k_out_val")
-        d = self.head_dim
-        idx = slots[..., fi.offset:fi.offset + fi.nbytes].long().clamp(max=d)
-        val = slots[..., fv.offset:fv.offset + fv.nbytes].contiguous().view(torch.float8_e4m3fn)
-        dense = torch.zeros(*slots.shape[:-1], d + 1, device=slots.device)
-        return dense.scatter_add_(-1, idx, val.float())[..., :d]
+        return dense_outliers(slots[..., fi.offset:fi.offset + fi.nbytes],
+                              slots[..., fv.offset:fv.offset + fv.nbytes], self.head_dim)
 
     def _encode_values(self, v: torch.Tensor, slots: torch.Tensor, fold: bool) -> None:
         if self.values is not None:

@@ -63,7 +63,7 @@ from functools import lru_cache
 import torch
 
 from .attention_ref import attend, visible_keys
-from .codec import TQCodec
+from .codec import TQCodec, _read_fp16, dense_outliers
 from .layout import Field, build_layout
 from .packing import gather_rows, lookup_table, pack_bits, unpack_bits, unpack_lookup
 
@@ -252,8 +252,7 @@ def field_bytes(pages: torch.Tensor, f: Field, block_size: int) -> torch.Tensor:
 
 def fp16_field(pages: torch.Tensor, f: Field, block_size: int) -> torch.Tensor:
     """An fp16 field of every token as float32 (..., n·block_size)."""
-    raw = field_bytes(pages, f, block_size).clone(memory_format=torch.contiguous_format)
-    return raw.view(torch.float16)[..., 0].float()
+    return _read_fp16(field_bytes(pages, f, block_size), 0)
 
 
 def page_word_lut(table: torch.Tensor) -> torch.Tensor:
@@ -340,11 +339,9 @@ def decode_pages(codec: TQCodec, pages: torch.Tensor, valid: torch.Tensor) -> di
             dec["qjl_coef"] = (n * fp16_field(pages, lay.field("k_rnorm"), bs)
                                * math.sqrt(math.pi / 2) / codec.head_dim)
         if codec.preset.key.outliers:
-            d = codec.head_dim
-            idx = field_bytes(pages, lay.field("k_out_idx"), bs).long().clamp(max=d)
-            val = field_bytes(pages, lay.field("k_out_val"), bs).contiguous().view(torch.float8_e4m3fn)
-            dense = torch.zeros(*idx.shape[:-1], d + 1, device=pages.device)
-            dec["outliers"] = dense.scatter_add_(-1, idx, val.float())[..., :d]
+            dec["outliers"] = dense_outliers(field_bytes(pages, lay.field("k_out_idx"), bs),
+                                             field_bytes(pages, lay.field("k_out_val"), bs),
+                                             codec.head_dim)
     if codec.values is not None:
         n = torch.where(keep, fp16_field(pages, lay.field("v_norm"), bs), 0.0)
         dec["values"] = _unit_vectors(codec, codec.values, pages, bs).mul_(n[..., None])

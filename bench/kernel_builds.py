@@ -181,12 +181,14 @@ def _cases():
                                     return_lse=True, max_query_len=8)
         return run
 
-    def store(preset, n, d=128):
+    def store(preset, n, d=128, centered=False):
         def run():
             codec = TQCodec(preset, d)
             cache = torch.zeros(kv_cache_shape(n // bs + 1, bs, hk, codec), dtype=torch.uint8)
             k = torch.zeros(n, hk, d, dtype=torch.bfloat16)
-            store_kv_triton(codec, k, k.clone(), cache, torch.arange(n))
+            mu = torch.zeros(hk, d)
+            store_kv_triton(codec, k, k.clone(), cache, torch.arange(n),
+                            key_offset=(mu, mu.clone()) if centered else None)
         return run
 
     def dequant(preset, d=128):
@@ -221,6 +223,7 @@ def _cases():
     for p in (k3, "tq_k4v3", "turboquant_k8v4", "tq_k3o4v3.5", "tq_k3.5v3.5"):
         for n in (32, 128, 2048):
             cases[f"store_{p}_{n}"] = store(p, n)
+            cases[f"store_centered_{p}_{n}"] = store(p, n, centered=True)
         cases[f"dequant_{p}"] = dequant(p)
     return cases
 

@@ -52,6 +52,39 @@ def test_store_gpu(name, d):
     assert int((~fin).sum()) >= 2 and bool(keep.any())
 
 
+@pytest.mark.parametrize("n", [4, 4096])        # key splits (decode sizes) / one program a row
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "tq_k3o4v3.5", "turboquant_k8v4"])
+def test_store_centered_gpu(name, n):
+    """The store centering the keys itself (key_offset) vs the reference on k − μ, keys mostly
+    offset (Qwen2.5's worst layers)."""
+    from tqattn.attention.backend import AttentionLayerSpec
+    from tqattn.attention.key_centering import KeyOffset
+    from tqattn.kernels.store import store_kv_triton
+    d, hk, bs = 128, 8, 16
+    codec = _codec(name, d)
+    nb = n // bs + 4
+    mu = torch.randn(hk, d, device=DEV) * 4
+    k = (mu + torch.randn(n, hk, d, device=DEV)).to(torch.bfloat16)
+    v = torch.randn(n, hk, d, device=DEV, dtype=torch.bfloat16)
+    slots = torch.randperm(nb * bs, device=DEV)[:n]
+    spec = AttentionLayerSpec(layer_idx=0, num_heads=hk, num_kv_heads=hk, head_size=d,
+                              scale=d ** -0.5, dtype=torch.bfloat16, kv_cache_dtype=name)
+    offset = KeyOffset(mu, spec).for_store(codec.rotation)
+    init = torch.randint(0, 256, paged.kv_cache_shape(nb, bs, hk, codec), dtype=torch.uint8,
+                         device=DEV)
+    a, b = init.clone(), init.clone()
+    paged.store_ref(codec, k.float() - offset[0], v, a, slots)
+    store_kv_triton(codec, k, v, b, slots, key_offset=offset)
+    frac = (a != b).float().mean().item()
+    assert frac < 5e-3, f"{frac:.2e} of the cache bytes differ"
+    bt = torch.arange(nb, device=DEV, dtype=torch.int32)[None]
+    ka, _ = paged.dequant_ref(codec, a, bt, torch.tensor([nb * bs], device=DEV))
+    kb, _ = paged.dequant_ref(codec, b, bt, torch.tensor([nb * bs], device=DEV))
+    sel = torch.zeros(nb * bs, dtype=torch.bool, device=DEV)
+    sel[slots] = True
+    assert rel_err(kb[sel], ka[sel]) < 2e-3
+
+
 def _decode_case(name, d, hk, group, bs, lens, dtype=torch.bfloat16, **kw):
     from tqattn.kernels.decode import decode_attention_triton
     codec = _codec(name, d)

@@ -122,6 +122,41 @@ def test_store_tf32x3_rotation(name):
     assert (a != b).float().mean().item() < 1e-3
 
 
+@pytest.mark.parametrize("name,splits", [
+    ("turboquant_k3v4_nc", 1), ("turboquant_k3v4_nc", 2), ("tq_k4v3", 1), ("tq_k4v3", 4),
+    ("tq_k3.5v3.5", 1), ("tq_k3o4v3.5", 1), ("turboquant_k8v4", 1), ("turboquant_3bit_nc", 2)])
+@pytest.mark.parametrize("tf32x3", [False, True])
+def test_store_centers_keys(name, splits, tf32x3):
+    """key_offset (μ, μ·R): the kernel stores what the reference stores for k − μ (fp32), on
+    keys whose energy is mostly the offset (as on Qwen2.5's worst layers); non-finite rows
+    still store their markers. The kernel rotates k and subtracts μ·R (the reference rotates
+    k − μ), so a code may differ where a coordinate sits on a bucket boundary: (almost) never."""
+    from tqattn.attention.backend import AttentionLayerSpec
+    from tqattn.attention.key_centering import KeyOffset
+    from tqattn.kernels import store
+    codec = TQCodec(name, 64)
+    hk, n, nb, bs = 3, 40, 3, 16
+    mu = torch.randn(hk, 64) * 4
+    k = (mu + torch.randn(n, hk, 64)).to(torch.bfloat16)
+    v = torch.randn(n, hk, 64).to(torch.bfloat16)
+    k[5, 1, 9] = math.nan
+    slots = torch.randperm(nb * bs)[:n]
+    slots[7] = -1
+    spec = AttentionLayerSpec(layer_idx=0, num_heads=hk, num_kv_heads=hk, head_size=64,
+                              scale=0.125, dtype=torch.bfloat16, kv_cache_dtype=name)
+    offset = KeyOffset(mu, spec).for_store(codec.rotation)
+    init = torch.randint(0, 256, paged.kv_cache_shape(nb, bs, hk, codec), dtype=torch.uint8)
+    a, b = init.clone(), init.clone()
+    paged.store_ref(codec, k.float() - offset[0], v, a, slots)
+    with mock.patch.object(store, "auto_key_splits", lambda n_kv, device: splits), \
+            mock.patch.object(store, "interpreted", lambda device: not tf32x3):
+        store.store_kv_triton(codec, k, v, b, slots, key_offset=offset)
+    assert (a != b).float().mean().item() < 2e-3
+    c = init.clone()
+    paged.store_ref(codec, k, v, c, slots)      # uncentered: most bytes differ
+    assert (a != c).float().mean().item() > 0.2
+
+
 def test_store_half_inputs():
     codec = TQCodec("turboquant_k3v4_nc", 64)
     k = torch.randn(4, 2, 64).to(torch.bfloat16)

@@ -10,9 +10,9 @@ q·(k_j − μ) = q·k_j − q·μ for all keys j of its (layer, KV head), and s
 constant added to all of a row's scores. So attention over centered keys equals attention over
 the original keys — provided that
 
-* every key a query sees is centered: the TurboQuant backend centers the step's keys once, before
-  it stores them and before FlashAttention reads the raw chunk, so the cache, the raw chunk and
-  the dequantized prefix all hold k − μ;
+* every key a query sees is centered: the cache holds k − μ, and FlashAttention reads the raw
+  chunk centered wherever the chunk's queries also see the compressed prefix (a first chunk,
+  which sees only itself, needs no centering: all its keys shift alike either way);
 * partial attentions merged by LSE come from the same centered keys (the short-continuation
   merge of decode rows over the prefix with FlashAttention over the chunk): each part's LSE is
   lower by the same q·μ, so the merge weights are unchanged. The merged LSE stays internal (the
@@ -20,8 +20,10 @@ the original keys — provided that
 * scores are not soft-capped: tanh(s/c) is not shift-invariant, so a soft-capped layer is
   refused (:func:`centering_unsupported_reason`).
 
-μ is a persistent device tensor of the layer, so the subtraction is one elementwise kernel with no
-host sync, inside a CUDA graph like the rest of the step.
+μ is a persistent device tensor of the layer. The store subtracts it inside its own kernel (no
+extra pass over the keys); FlashAttention gets centered keys (one elementwise kernel) only where
+a compressed prefix shares its softmax, and a decode step centers its few new keys before the
+decode kernel stores them.
 """
 
 from __future__ import annotations
@@ -56,7 +58,18 @@ class KeyOffset:
             raise ValueError(f"{spec.name}: the key offset has non-finite values")
         self.tensor = offset.detach().to(device=device or offset.device,
                                          dtype=spec.dtype).contiguous()
+        self._for_store: tuple | None = None  # (rotation, (μ, μ·R))
 
     def center(self, key: torch.Tensor) -> torch.Tensor:
         """key (T, Hk, D) − μ, a new tensor."""
         return key - self.tensor
+
+    def for_store(self, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(μ, μ·R) in fp32, each (Hk, D), for a store that centers as it encodes (R: the
+        codec's rotation; the kernel rotates k and subtracts μ·R, as it does for outliers).
+        μ is the model-dtype value :meth:`center` subtracts, so both shift scores alike."""
+        if self._for_store is None or self._for_store[0] is not rotation:
+            mu = self.tensor.float()
+            mu_rot = (mu.double() @ rotation.to(mu.device).double()).float()
+            self._for_store = (rotation, (mu, mu_rot))
+        return self._for_store[1]

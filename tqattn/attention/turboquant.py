@@ -40,9 +40,10 @@ soft-cap goes to both kernels; LSE merging stays exact under it. ALiBi and atten
 refused (``unsupported_reason``).
 
 Key centering (:mod:`~tqattn.attention.key_centering`, set by :meth:`TurboQuantImpl.
-set_key_offset`): the step's keys are centered once, on entry, and every path above — store,
-FlashAttention on the raw chunk, the decode kernel's own store — sees only k − μ, so all scores
-of a query shift by the same q·μ and outputs and LSE merges stay exact.
+set_key_offset`): the cache holds k − μ (the store subtracts μ inside its kernel; a decode step
+centers its new keys before the decode kernel stores them), and FlashAttention reads the raw
+chunk centered wherever it shares a softmax with the compressed prefix, so all scores of a query
+shift by the same q·μ and outputs and LSE merges stay exact.
 
 Rotation seed: one :class:`~tqattn.quant.codec.TQCodec` per (preset, head size, device), shared
 by every layer, seed :data:`ROTATION_SEED`. A randomized Hadamard is already independent of the
@@ -224,23 +225,27 @@ class TurboQuantImpl(AttentionImpl):
         return get_codec(self.preset, self.spec.head_size, str(torch.device(device)))
 
     def store(self, key, value, kv_cache, metadata) -> None:
-        self._store(self._center(key), value, kv_cache, metadata)
+        self._store(key, value, kv_cache, metadata, self.key_offset)
 
     def forward(self, query, key, value, kv_cache, metadata: TurboQuantMetadata):
         return self._forward(query, self._center(key), value, kv_cache, metadata)
 
-    def _store(self, key, value, kv_cache, metadata) -> None:
+    def _store(self, key, value, kv_cache, metadata, offset: KeyOffset | None = None) -> None:
+        """Store the step's K/V; with ``offset``, the store centers the keys itself."""
         n = metadata.num_actual_tokens
-        _kernels().store_kv(self.codec(kv_cache.device), key[:n], value[:n], kv_cache,
-                            metadata.slot_mapping[:n])
+        codec = self.codec(kv_cache.device)
+        _kernels().store_kv(codec, key[:n], value[:n], kv_cache, metadata.slot_mapping[:n],
+                            key_offset=None if offset is None else offset.for_store(codec.rotation))
 
     def store_and_forward(self, query, key, value, kv_cache, metadata: TurboQuantMetadata):
         md = metadata
         n = md.num_actual_tokens
-        key = self._center(key)  # once, for the store and the attention alike
         if md.num_prefills or md.token_perm is not None or md.num_decodes != n:
-            self._store(key, value, kv_cache, md)
+            self._store(key, value, kv_cache, md, self.key_offset)
+            if md.num_prefills and (md.long or md.short is not None):
+                key = self._center(key)  # the chunk shares a softmax with the centered prefix
             return self._forward(query, key, value, kv_cache, md)
+        key = self._center(key)  # the decode call stores the new keys (kernels/step.py)
         # a decode-only step: the decode call writes the new K/V (where: kernels/step.py)
         out = torch.empty_like(query)
         out[n:].zero_()

@@ -18,15 +18,19 @@ from ..quant import paged
 from . import step
 
 
-def store_kv(codec, key, value, kv_cache, slot_mapping) -> None:
-    """Quantize key/value (N, Hk, D) into the paged cache at slot_mapping (negative = skip)."""
+def store_kv(codec, key, value, kv_cache, slot_mapping, key_offset=None) -> None:
+    """Quantize key/value (N, Hk, D) into the paged cache at slot_mapping (negative = skip).
+    ``key_offset`` = (μ, μ·R) fp32 (Hk, D): store the keys centered, k − μ, computed in fp32
+    (:meth:`tqattn.attention.key_centering.KeyOffset.for_store`)."""
     if step.use_triton(key):
         mod = step.triton_module("store")
         if mod is not None:
             try:
-                return mod.store_kv_triton(codec, key, value, kv_cache, slot_mapping)
+                return mod.store_kv_triton(codec, key, value, kv_cache, slot_mapping, key_offset)
             except NotImplementedError as e:
                 step.fallback(f"store {codec.preset.name}", e)
+    if key_offset is not None:
+        key = key.float() - key_offset[0]
     return paged.store_ref(codec, key, value, kv_cache, slot_mapping)
 
 

@@ -240,13 +240,33 @@ def _row_stats(x_ptr, rows, ld_ok, D: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
+def _centered(x, bad, hrow, mu_ptr, D: tl.constexpr, DP: tl.constexpr):
+    """Rows x [HB, DP] minus their head's key offset μ (fp32 (Hk, D) at mu_ptr); bad rows 0."""
+    d = tl.arange(0, DP)[None, :]
+    mu = tl.load(mu_ptr + hrow[:, None] * D + d, mask=d < D, other=0.0)
+    return tl.where(bad[:, None], 0.0, x - mu)
+
+
+@triton.jit
+def _offset_rows(mur_ptr, hrow, bad, D: tl.constexpr, START: tl.constexpr, COUNT: tl.constexpr,
+                 FDP: tl.constexpr):
+    """The rotated offset μR of each row's head at coordinates [START, START+COUNT): [HB, FDP]
+    fp32 (0 for bad rows, whose codes the NaN norm voids anyway)."""
+    j = tl.arange(0, FDP)[None, :]
+    r = tl.load(mur_ptr + hrow[:, None] * D + START + j, mask=j < COUNT, other=0.0)
+    return tl.where(bad[:, None], 0.0, r)
+
+
+@triton.jit
 def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                  D: tl.constexpr, DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
                  TF32X3: tl.constexpr, BS: tl.constexpr, N_OFF: tl.constexpr, FOLD: tl.constexpr,
                  NOUT: tl.constexpr, NOUTP: tl.constexpr, OI_OFF: tl.constexpr,
-                 OV_OFF: tl.constexpr, HAS_F1: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr):
+                 OV_OFF: tl.constexpr, HAS_F1: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr,
+                 hrow=0, mu_ptr=0, mur_ptr=0, CENTER: tl.constexpr = False):
     """Norm + rotation + Lloyd–Max codes of x rows (the codec's _encode_unit), after taking
-    NOUT outlier channels out (the codec's _split_outliers)."""
+    NOUT outlier channels out (the codec's _split_outliers). CENTER: of x − μ[hrow] (key
+    centering; the rotation of μ comes precomputed as ``mur_ptr``, as the outliers' does)."""
     # one rotation chunk (decode-size steps): R's loads are issued first, with the table's, so
     # they overlap the rows' loads and reductions
     PRE: tl.constexpr = BK == DP
@@ -264,6 +284,8 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
     bnd1 = _table16(tab_ptr + F1.bnd, (1 << F1.bits) - 1 if HAS_F1 else 0)
     cen1 = _table16(tab_ptr + F1.lut, (1 << F1.bits) if FOLD and HAS_F1 else 0)
     bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
+    if CENTER:
+        x = _centered(x, bad, hrow, mu_ptr, D, DP)
     if NOUT > 0:
         oidx, oval = _split_outliers(x, h_ok, cache_ptr, base, off, D, DP, HB, OI_OFF, OV_OFF,
                                      NOUT, NOUTP)
@@ -273,10 +295,12 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
     else:
         F0_DP: tl.constexpr = F0.gp * F0.cpw   # shapes take constexprs, not plain ints
         corr0 = tl.zeros([HB, F0_DP], tl.float32)
+    if CENTER:
+        corr0 += _offset_rows(mur_ptr, hrow, bad, D, F0.start, F0.count, F0.gp * F0.cpw)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
     y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, r0, D, DP, BK, HB, F0.start,
-                F0.count, F0.gp * F0.cpw, TF32X3, NOUT > 0, PRE)
+                F0.count, F0.gp * F0.cpw, TF32X3, NOUT > 0 or CENTER, PRE)
     code = _bucketize(y, bnd0, F0.bits)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0.off, F0.bits, F0.w, F0.g, F0.gp,
                  F0.cpw, F0.cm)
@@ -288,8 +312,10 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
         else:
             F1_DP: tl.constexpr = F1.gp * F1.cpw
             corr1 = tl.zeros([HB, F1_DP], tl.float32)
+        if CENTER:
+            corr1 += _offset_rows(mur_ptr, hrow, bad, D, F1.start, F1.count, F1.gp * F1.cpw)
         y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, r1, D, DP, BK, HB, F1.start,
-                     F1.count, F1.gp * F1.cpw, TF32X3, NOUT > 0, PRE)
+                     F1.count, F1.gp * F1.cpw, TF32X3, NOUT > 0 or CENTER, PRE)
         code1 = _bucketize(y1, bnd1, F1.bits)
         _store_codes(code1, cache_ptr, base, off, h_ok, HB, BS, F1.off, F1.bits, F1.w, F1.g,
                      F1.gp, F1.cpw, F1.cm)
@@ -304,7 +330,8 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
 def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
                      tab_ptr, part, rb, ss_ptr, cnt_ptr, D: tl.constexpr, DP: tl.constexpr,
                      HB: tl.constexpr, TF32X3: tl.constexpr, BS: tl.constexpr, N_OFF: tl.constexpr,
-                     FOLD: tl.constexpr, F: tl.constexpr, KS: tl.constexpr):
+                     FOLD: tl.constexpr, F: tl.constexpr, KS: tl.constexpr, hrow=0, mu_ptr=0,
+                     mur_ptr=0, CENTER: tl.constexpr = False):
     """Part ``part`` of KS of a single-field key's encoding (no outliers): the rotated
     coordinates of words [part·G/KS, (part+1)·G/KS) of F and their codes. Every part computes the
     row norm; with FOLD the parts' Σĉ² meet in ``ss_ptr`` (fp64 atomics) and the last part of
@@ -318,10 +345,15 @@ def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
     bnd = _table16(tab_ptr + F.bnd, (1 << F.bits) - 1)
     cen = _table16(tab_ptr + F.lut, (1 << F.bits) if FOLD else 0)
     bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
+    if CENTER:
+        x = _centered(x, bad, hrow, mu_ptr, D, DP)
+        corr = _offset_rows(mur_ptr, hrow, bad, D, F.start + part * PC, PC, PC)
+    else:
+        corr = 0.0
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
-    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, 0.0, rp, D, DP, DP, HB, 0, PC, PC,
-                TF32X3, False, True)
+    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, rp, D, DP, DP, HB, 0, PC, PC,
+                TF32X3, CENTER, True)
     code = _bucketize(y, bnd, F.bits)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F.off, F.bits, F.w, F.g, NG, F.cpw, F.cm,
                  part * NG, NG)
@@ -342,7 +374,8 @@ def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
 def _store_kernel(k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_b, sc_h,
                   rot_ptr, tab_ptr, N_ROWS, HK: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
                   TF32X3: tl.constexpr, L: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr,
-                  V0: tl.constexpr, V1: tl.constexpr, ss_ptr, cnt_ptr, KS: tl.constexpr):
+                  V0: tl.constexpr, V1: tl.constexpr, ss_ptr, cnt_ptr, KS: tl.constexpr,
+                  mu_ptr, mur_ptr, CENTER: tl.constexpr):
     # programs: [0, KS·n_kv) keys of row block pid // KS (part pid % KS of its coordinates),
     # [KS·n_kv, (KS+1)·n_kv) values
     pid = tl.program_id(0)
@@ -373,17 +406,21 @@ def _store_kernel(k_ptr, sk_n, sk_h, v_ptr, sv_n, sv_h, slot_ptr, cache_ptr, sc_
                 d = tl.arange(0, L.dp)
                 x = tl.load(k_ptr + k_rows[:, None] + d[None, :],
                             mask=ld_ok[:, None] & (d < L.d)[None, :], other=0.0).to(tl.float32)
+                if CENTER:
+                    x -= tl.load(mu_ptr + h[:, None] * L.d + d[None, :], mask=(d < L.d)[None, :],
+                                 other=0.0)
                 tl.store(_tl.row_ptr(cache_ptr, base, off, K0.off, K0.g, K0.cm)
                          + (d[None, :] * L.bs if K0.cm else d[None, :]),
                          _fp8_e4m3(x).to(tl.uint8), mask=h_ok[:, None] & (d < L.d)[None, :])
             elif KS > 1:
                 _encode_key_part(k_ptr, k_rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
                                  tab_ptr, part, rb, ss_ptr, cnt_ptr, L.d, L.dp, HB, TF32X3, L.bs,
-                                 L.kn_off, L.k_corr == 1, K0, KS)
+                                 L.kn_off, L.k_corr == 1, K0, KS, h, mu_ptr, mur_ptr, CENTER)
             else:
                 _encode_unit(k_ptr, k_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
                              L.d, L.dp, BK, HB, TF32X3, L.bs, L.kn_off, L.k_corr == 1, L.k_nout,
-                             L.k_noutp, L.koi_off, L.kov_off, L.has_k1, K0, K1)
+                             L.k_noutp, L.koi_off, L.kov_off, L.has_k1, K0, K1, h, mu_ptr,
+                             mur_ptr, CENTER)
         else:
             if L.v_tq:
                 _encode_unit(v_ptr, v_rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_ptr,
@@ -415,11 +452,13 @@ BLOCK_K, WARPS = 32, 4
 
 
 def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
-                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    key_offset: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Quantize key/value (N, Hk, D) into kv_cache at slot_mapping (N,), in place.
 
     The rotation runs as three TF32 tensor-core dots on CUDA ("tf32x3") and as IEEE fp32 dots
-    under the interpreter, which has no TF32.
+    under the interpreter, which has no TF32. ``key_offset`` = (μ, μ·R), each fp32 (Hk, D):
+    the keys are stored centered, k − μ (computed in fp32 inside the kernel).
     """
     n, hk, d = key.shape
     if value.shape != key.shape or d != codec.head_dim or kv_cache.shape[1] != hk:
@@ -434,6 +473,13 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
+    if key_offset is not None:
+        mu, mu_rot = key_offset
+        if mu.shape != (hk, d) or mu_rot.shape != (hk, d) or mu.dtype != torch.float32:
+            raise ValueError(f"key_offset: fp32 (μ, μ·R) of shape {(hk, d)} expected, got "
+                             f"{mu.dtype} {tuple(mu.shape)} / {tuple(mu_rot.shape)}")
+    else:
+        mu = mu_rot = tab  # not read
     rows = n * hk
     bk, num_warps, ks = _launch_variant(spec, rows, key.device)
     n_kv = max(triton.cdiv(rows, ROWS_PER_PROGRAM), 1)
@@ -442,7 +488,8 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
         key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slot_mapping,
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), rot, tab,
         rows, HK=hk, HB=ROWS_PER_PROGRAM, BK=bk, TF32X3=not interpreted(key.device),
-        num_warps=num_warps, **spec.constexprs, ss_ptr=ss_buf, cnt_ptr=cnt_buf, KS=ks)
+        num_warps=num_warps, **spec.constexprs, ss_ptr=ss_buf, cnt_ptr=cnt_buf, KS=ks,
+        mu_ptr=mu, mur_ptr=mu_rot, CENTER=key_offset is not None)
 
 
 def _launch_variant(spec, rows: int, device) -> tuple[int, int, int]:

@@ -20,6 +20,7 @@ from ..engine.test_llm_reference import _one_thread, random_prompts  # noqa: F40
 
 def _direct(query, key, value, layer_idx):
     """What the hook did before the custom op: the layer's impl called in place."""
+    layer_idx = int(layer_idx)
     ctx = get_forward_context()
     layer = ctx.layers[layer_idx]
     return layer.impl.store_and_forward(query, key, value, ctx.kv_caches[layer_idx],
@@ -39,9 +40,10 @@ def test_op_equals_the_direct_call(monkeypatch, name, kwargs):
     ids = random_prompts([70], seed=3)[0]
     calls = []
 
-    def counting(q, k, v, layer_idx):
-        calls.append(layer_idx)
-        return attention(q, k, v, layer_idx)
+    def counting(q, k, v, layer):
+        calls.append(int(layer))   # the layer's index, a 0-dim CPU buffer (a graph input)
+        assert layer.device.type == "cpu" and layer.dim() == 0
+        return attention(q, k, v, layer)
 
     monkeypatch.setattr(hf_attention, "attention", counting)
     through_op = llm.score(ids, chunk_size=16)  # a first chunk, then continuations
@@ -69,16 +71,17 @@ def test_opcheck(layer_idx):
 
     g = torch.Generator().manual_seed(layer_idx)
     q, k, v = (torch.randn(13, h, 16, generator=g) for h in (4, 2, 2))
+    layer = torch.tensor(layer_idx)
     with set_forward_context(ForwardContext(runner.layers, runner.kv_caches, metadata)):
         expected = _direct(q, k, v, layer_idx)
-        out = torch.ops.tqattn.attention(q, k, v, layer_idx)
-        torch.library.opcheck(torch.ops.tqattn.attention.default, (q, k, v, layer_idx))
+        out = torch.ops.tqattn.attention(q, k, v, layer)
+        torch.library.opcheck(torch.ops.tqattn.attention.default, (q, k, v, layer))
     assert torch.equal(out, expected) and out.shape == q.shape and out.dtype == q.dtype
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:  # the fake impl gives the real output's metadata
         fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
-        f = torch.ops.tqattn.attention(fq, fk, fv, layer_idx)
+        f = torch.ops.tqattn.attention(fq, fk, fv, mode.from_tensor(layer))
     assert f.shape == out.shape and f.dtype == out.dtype and f.stride() == out.stride()
 
 

@@ -76,6 +76,25 @@ def test_compiled_equals_eager_without_recompiles(compiled):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name,kv_cache_dtype,graphs", [
+    ("llama-tiny", "auto", 1),
+    ("gemma3-tiny", "tq_k3v4", 2),   # one layer class, sliding-window and global layers
+])
+def test_layers_share_their_compiled_graph(name, kv_cache_dtype, graphs):
+    """Regional compilation: every decoder layer runs the graph compiled for its class (and
+    attention kind), whatever its index; the same log-probs as eager."""
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    llm = LLM(name, compile_model=True, kv_cache_dtype=kv_cache_dtype, **SMALL)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == graphs
+    eager = LLM(name, kv_cache_dtype=kv_cache_dtype, **SMALL)
+    ids = random_prompts([90], seed=5)[0]
+    for chunk in (1, 24):
+        torch.testing.assert_close(llm.score(ids, chunk_size=chunk),
+                                   eager.score(ids, chunk_size=chunk), atol=2e-5, rtol=1e-5)
+    assert llm.llm_engine.compilation_counts()["total"] == 0 and not compilation.graph_breaks()
+
+
+@pytest.mark.slow
 def test_startup_of_a_compiled_engine(compiled):
     llm, steps = compiled
     times = llm.llm_engine.startup_times

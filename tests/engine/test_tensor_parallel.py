@@ -153,6 +153,20 @@ def test_two_ranks_match_one_process_turboquant_and_stop_when_deleted():
 
 
 @cpu_only
+@pytest.mark.slow
+def test_two_compiled_ranks_match_one_process():
+    """Each rank compiles its decoder layers (one graph for all of them, collectives inside):
+    the same greedy tokens as one eager process, nothing compiled after start-up."""
+    kw = dict(ENGINE, kv_cache_dtype="turboquant_k3v4_nc")
+    one = LLM("llama-tiny", **kw)
+    tp = LLM("llama-tiny", tensor_parallel_size=2, compile_model=True, **kw)
+    assert tp.llm_engine.runner.compile_model
+    assert_greedy_agrees(one, generate(tp), generate(one))
+    assert tp.llm_engine.compilation_counts()["total"] == 0
+    tp.llm_engine.shutdown()
+
+
+@cpu_only
 @pytest.mark.parametrize("centering", [True, None])
 def test_two_ranks_calibrate_like_one_process(centering):
     """The start-up calibration under tensor parallelism: each rank centers its own KV heads by

@@ -45,7 +45,7 @@ def tqattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
     v = value[0].transpose(0, 1).contiguous()
-    return attention(q, k, v, spec.layer_idx).unsqueeze(0), None
+    return attention(q, k, v, module.tqattn_layer).unsqueeze(0), None
 
 
 def register() -> str:
@@ -68,6 +68,7 @@ def use_tqattn(model: torch.nn.Module, specs: list[AttentionLayerSpec]) -> None:
         idx = getattr(m, "layer_idx", None)
         if isinstance(idx, int) and idx in by_idx:
             m.tqattn_spec = by_idx[idx]
+            m.register_buffer("tqattn_layer", torch.tensor(idx), persistent=False)
             bound.add(idx)
     if bound != set(by_idx):
         raise RuntimeError(f"{type(model).__name__}: no module with layer_idx for layers "

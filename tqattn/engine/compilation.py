@@ -1,9 +1,9 @@
 """The compiled model forward, where compile caches live, and counting compilations.
 
-The model forward is compiled once (``torch.compile``) with the token dimension unbacked: Dynamo
-treats T as an unknown size, so one graph serves every step, one-token decodes included (a
-backed size of 1 would be specialized into a second graph). Attention inside is the opaque
-``tqattn::attention`` op.
+The decoder layers are compiled (``torch.compile``, one graph per layer class shared by its
+layers: :func:`compile_layers`) with the token dimension unbacked: Dynamo treats T as an unknown
+size, so one graph serves every step, one-token decodes included (a backed size of 1 would be
+specialized into a second graph). Attention inside is the opaque ``tqattn::attention`` op.
 
 Compilations are counted process-wide: Dynamo frame compiles (a compile-start callback) and
 Triton/Gluon kernel variants built by Triton's JIT (``triton.knobs.compilation.listener``,
@@ -47,22 +47,57 @@ def model_logits(model: torch.nn.Module, input_ids: torch.Tensor, positions: tor
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
-def compile_forward():
-    """``model_logits`` compiled: call it as :func:`call_compiled` does. Fused kernels round
-    to the model dtype where eager rounds (``emulate_precision_casts``), so the cache's codec
-    gets the keys eager computes (compiled vs eager: bench/results/README.md)."""
-    return torch.compile(model_logits, dynamic=False, options=dict(INDUCTOR_OPTIONS))
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: the entries of the first ModuleList whose every entry holds
+    a tqattn-bound attention module (``use_tqattn``; a block that carries ``layer_idx`` itself
+    is bound too)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) and all(
+                any(hasattr(s, "tqattn_spec") for s in block.modules()) for block in m):
+            return list(m)
+    raise RuntimeError(f"{type(model).__name__}: no list of decoder layers with one tqattn "
+                       f"attention module each; compile_model=False runs it eagerly")
 
 
-@torch.inference_mode()
-def call_compiled(fn, model, input_ids, positions, logits_index) -> torch.Tensor:
-    """Run the compiled forward. Steps run in inference mode; Dynamo guards on a tensor being
-    an inference tensor or not, so a normal one (a buffer made outside inference mode) is copied
-    rather than compiled for. The unbacked marks cost an attribute write when nothing compiles."""
-    args = [t if t.is_inference() else t.clone() for t in (input_ids, positions, logits_index)]
-    for t in args:
-        torch._dynamo.decorators.mark_unbacked(t, 0)
-    return fn(model, *args)
+def compile_layers(model: torch.nn.Module) -> int:
+    """Compile the decoder layers (regional compilation): one ``torch.compile`` per layer class,
+    shared by all its layers — the parameters and the layer's index (a buffer, see
+    ``use_tqattn``) are graph inputs, so the first layer's graph serves the rest and start-up
+    traces one layer instead of the whole model. The token dimension is unbacked, so one graph
+    serves every step, one-token decodes included. Embedding, final norm and LM head run eagerly
+    (a few kernels; decode steps replay them inside their CUDA graph). Fused kernels round to
+    the model dtype where eager rounds (``emulate_precision_casts``), so the cache's codec gets
+    the keys eager computes (bench/results/README.md). Returns the number of compiled layer
+    classes."""
+    compiled: dict[type, object] = {}
+    for layer in decoder_layers(model):
+        cls = type(layer)
+        if cls not in compiled:
+            compiled[cls] = torch.compile(cls.forward, dynamic=False,
+                                          options=dict(INDUCTOR_OPTIONS))
+        layer.forward = _with_unbacked_tokens(compiled[cls], layer)
+    return len(compiled)
+
+
+def _with_unbacked_tokens(fn, layer: torch.nn.Module):
+    """``layer.forward`` through the compiled ``fn``, the token dimension of every input marked
+    unbacked (an attribute write): (1, T, ...) tensors at dim 1, (T,) tensors at dim 0."""
+    def forward(hidden_states: torch.Tensor, *args, **kwargs):
+        t = hidden_states.shape[1]
+        _mark_tokens((hidden_states, args, tuple(kwargs.values())), t)
+        return fn(layer, hidden_states, *args, **kwargs)
+    return forward
+
+
+def _mark_tokens(x, t: int) -> None:
+    if isinstance(x, torch.Tensor):
+        if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == t:
+            torch._dynamo.decorators.mark_unbacked(x, 1)
+        elif x.dim() == 1 and x.shape[0] == t:
+            torch._dynamo.decorators.mark_unbacked(x, 0)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _mark_tokens(y, t)
 
 
 def graph_breaks() -> dict[str, int]:

@@ -5,9 +5,9 @@ All scheduled tokens of a step are flattened into one (1, T) batch with their po
 batch (the block tables and slots differ between groups), and the group's backend builder turns
 it into the backend's metadata. The attention calls find both in the forward context.
 
-Compiled model (``compile_model``): the forward runs through ``torch.compile`` with the token
-dimension unbacked (:mod:`tqattn.engine.compilation`), compiled by the first call (the engine
-makes that call at start-up); prefill and mixed steps run it directly.
+Compiled model (``compile_model``): the decoder layers run through ``torch.compile`` with the
+token dimension unbacked (:func:`tqattn.engine.compilation.compile_layers`), compiled by the
+first forward (the engine makes that call at start-up); prefill and mixed steps run it directly.
 
 CUDA graphs (CUDA only, unless enforce_eager): pure-decode steps replay a graph captured per
 batch-size bucket over the (compiled or eager) forward, the batch padded to the bucket (padding
@@ -81,7 +81,9 @@ class ModelRunner:
         self.share_sampled_tokens = False  # rank 0 sends each step's tokens (async scheduling)
         self._shared_tokens = None  # other ranks: the last step's tokens from rank 0
         self.compile_model = compile_model
-        self._logits = compilation.compile_forward() if compile_model else compilation.model_logits
+        self._logits = compilation.model_logits
+        if compile_model:  # compiled by the first forward (the start-up's "compile" part)
+            compilation.compile_layers(model)
         self.compile_mark = None  # set when start-up ends: compilations after it are logged
         self._compiles_seen = (0, 0)
         self.layers = {layer.spec.layer_idx: layer for layer in layers}
@@ -214,8 +216,8 @@ class ModelRunner:
                 sample_idx: list[int]) -> torch.Tensor:
         """Logits (len(sample_idx), vocab) at the given flattened token indices."""
         dev = self.device
-        # A step that samples nothing still takes the logits of one token: the compiled graph
-        # never sees an empty index (the LM head on one row costs next to nothing).
+        # A step that samples nothing still takes the logits of one token (the LM head on one
+        # row costs next to nothing), so the model never sees an empty index.
         keep = torch.tensor(sample_idx or [len(input_ids) - 1], dtype=torch.int64)
         with set_forward_context(ForwardContext(self.layers, self.kv_caches, metadata)):
             logits = self._call_model(_to_device(input_ids, dev), _to_device(positions, dev),
@@ -224,11 +226,7 @@ class ModelRunner:
 
     def _call_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                     logits_index: torch.Tensor) -> torch.Tensor:
-        if self.compile_model:
-            logits = compilation.call_compiled(self._logits, self.model, input_ids, positions,
-                                               logits_index)
-        else:
-            logits = self._logits(self.model, input_ids, positions, logits_index)
+        logits = self._logits(self.model, input_ids, positions, logits_index)
         if self.compile_mark is not None:
             self._compiles_seen = compilation.warn_new(self.compile_mark, self._compiles_seen)
         return logits

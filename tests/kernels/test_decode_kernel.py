@@ -152,8 +152,10 @@ def test_mma_dispatch_plumbing(monkeypatch):
     decode.decode_attention_triton(other, q, c2, bt2, lens2, new_kv=(k, v, slots))
     assert len(calls) == n + 1 and len(stores) == 2 and calls[-1][12] is None
     assert calls[-1][0].mma.keys == 1 and calls[-1][0].mma.vals == 1
-    for name in ("turboquant_k8v4", "tq_k3v3", "turboquant_4bit_nc"):   # no tensor-core format
+    for name in ("turboquant_k8v4", "tq_k3v3", "turboquant_3bit_nc"):   # no tensor-core format
         assert not _spec_mma(name)
+    fmt = _spec_mma("turboquant_4bit_nc")   # 4-bit keys with uniform values: stored first
+    assert (fmt.keys, fmt.vals, fmt.store) == (1, 0, False)
 
 
 def test_mma_fused_query_rotation():

@@ -135,11 +135,11 @@ def test_decode_without_asm_gpu(name, monkeypatch, portable):
     _decode_case(name, 128, 8, 4, 16, [1, 700, 4100, 2000])
 
 
-@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3"])
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "turboquant_4bit_nc"])
 def test_decode_mma_path_gpu(name, monkeypatch):
     """Head size 128 runs the Gluon tensor-core kernel (kernels/decode_mma.py) for its formats
     (3-bit keys + uniform 4-bit values, storing new tokens itself; 4-bit keys + rotated 3-bit
-    values after the store kernel): page sizes, GQA 7 and 3, sequences of 0 tokens and of
+    values, and 4-bit keys + uniform 4-bit values, after the store kernel): page sizes, GQA 7 and 3, sequences of 0 tokens and of
     fewer tiles than splits, several split counts (ranges by program age, positions by
     arrival); the last split of each group merges and resets its counter. The portable
     kernel's inline-asm path for the same layout stays covered with the tensor-core kernel
@@ -166,7 +166,7 @@ def test_decode_mma_path_gpu(name, monkeypatch):
     _decode_case(name, 128, 8, 4, 16, [1, 700, 4100, 2000])
 
 
-@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3"])
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "turboquant_4bit_nc"])
 @pytest.mark.parametrize("bs", [16, 64])
 def test_decode_mma_splits_gpu(name, bs, monkeypatch):
     """The tensor-core kernel (its own query rotation): splits of one partial tile, of full
@@ -289,7 +289,8 @@ def test_decode_fused_store_gpu(bs):
         codec, q, b, bt, seq_lens, out=out, **fused), q, k, v, a, slots, check_replay)
 
 
-@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3"])
+@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3",
+                                  "turboquant_4bit_nc"])
 def test_decode_long_split_gpu(name, monkeypatch):
     """One split over 32K tokens: the accumulator sums 32K products, where a cancelling
     offset in it (an earlier value trick) lost the output to the tensor cores' truncating

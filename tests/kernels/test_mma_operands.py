@@ -45,15 +45,20 @@ def _permute_reshape(x, order, shape):
     return x.reshape(8, 4, *x.shape[1:]).permute(order).reshape(shape)
 
 
-def test_key_operand4_rows_and_columns():
-    codec, page, slots = _page()
+@__import__("pytest").mark.parametrize("preset,token_map", [("tq_k4v3", 1),
+                                                             ("turboquant_4bit_nc", 0)])
+def test_key_operand4_rows_and_columns(preset, token_map):
+    """MAP 1 (rotated 3-bit values): the lane's tokens 16(g // 2) + g % 2 + 2j; MAP 0 (uniform
+    4-bit values): tokens 8g + j — row ρ is then token 8(ρ % 8) + ρ // 8, the uniform values'
+    order."""
+    codec, page, slots = _page(preset)
     codes = _codes(codec, slots, "k_idx")
     k_off = BS * codec.layout.field("k_idx").offset
     lane = torch.arange(32)
     g, t = lane // 4, lane % 4
 
-    def row_bytes(j):                     # _load_keys4: 16 bytes 16t.. of token 16(g//2) + g%2 + 2j
-        tok = 16 * (g // 2) + g % 2 + 2 * j
+    def row_bytes(j):                     # _load_keys4: 16 bytes 16t.. of the lane's token j
+        tok = 16 * (g // 2) + g % 2 + 2 * j if token_map else 8 * g + j
         return torch.stack([page[k_off + tok * 64 + 16 * t + b] for b in range(16)], -1)
 
     def key_row4(by):                     # [32, e, r0, r1, q0, q1]: byte 4q + r, nibble e
@@ -68,7 +73,10 @@ def test_key_operand4_rows_and_columns():
     x = x.permute(0, 2, 3, 4, 5, 6, 7, 8, 1)              # halves last, as _halves appends them
     op = _permute_reshape(x, [8, 7, 6, 0, 5, 4, 3, 2, 1, 9], (64, 128))
     rho, k = torch.arange(64), torch.arange(128)
-    tau = 16 * ((rho % 8) // 2) + 2 * (rho // 8) + rho % 2      # the kernel's token of row ρ
+    if token_map:                                               # the kernel's token of row ρ
+        tau = 16 * ((rho % 8) // 2) + 2 * (rho // 8) + rho % 2
+    else:
+        tau = 8 * (rho % 8) + rho // 8
     coord = decode_mma.operand_coord(k, keys=1)
     assert sorted(tau.tolist()) == list(range(64)) and sorted(coord.tolist()) == list(range(128))
     assert torch.equal(op, codes[tau][:, coord])

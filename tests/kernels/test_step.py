@@ -46,6 +46,7 @@ def test_tensor_core_device(monkeypatch):
     assert step.plan_decode_store(*_case(hq=16)) == step.DECODE_KERNEL      # GQA 8
     assert step.plan_decode_store(*_case(hq=32)) == step.STORE_KERNEL       # GQA 16
     assert step.plan_decode_store(*_case("tq_k4v3")) == step.STORE_KERNEL
+    assert step.plan_decode_store(*_case("turboquant_4bit_nc")) == step.STORE_KERNEL
     assert step.plan_decode_store(*_case("tq_k3o4v3.5")) == step.STORE_KERNEL
     assert step.plan_decode_store(*_case(d=64)) == step.STORE_KERNEL
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32)

@@ -187,6 +187,7 @@ class MmaFormat:
     keys: int     # 0: 3-bit centroid keys, column-major planes; 1: 4-bit codes of a symmetric
                   # codebook in token rows
     vals: int     # 0: 4-bit uniform values in token rows; 1: 3-bit rotated values, column-major
+                  # (the values' format fixes the score rows' token order)
     store: bool   # the kernel encodes a decode step's new token itself (keys 0 with values 0)
 
 
@@ -194,8 +195,10 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
     """How the tensor-core kernel reads this layout, or None where it cannot: head size 128,
     one key and one value field, no outliers, stored norms plain or "nc"-folded, a rotation
     diag(s)·H/√128 (every head size 128 rotation of quant/rotation.py), and one of the format
-    pairs its token order serves — (3-bit keys, 4-bit uniform values): ``turboquant_k3v4_nc``;
-    (4-bit keys, 3-bit rotated values): ``tq_k4v3``."""
+    pairs its token orders serve — (3-bit keys, 4-bit uniform values): ``turboquant_k3v4_nc``;
+    (4-bit keys, 3-bit rotated values): ``tq_k4v3``; (4-bit keys, 4-bit uniform values):
+    ``turboquant_4bit_nc``. (3-bit column-major keys load in one token order only, the uniform
+    values'.)"""
     m, kf, vf = spec.layout, spec.key_fields, spec.value_fields
     if (m.d != 128 or len(kf) != 1 or len(vf) != 1 or m.k_fp8 or m.k_nout
             or not is_signed_hadamard(spec.codec.rotation.float().cpu())):
@@ -214,7 +217,7 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
         vals = 1
     else:
         return None
-    if keys != vals:
+    if keys == 0 and vals == 1:
         return None
     return MmaFormat(keys, vals, store=keys == 0 and m.pad_n == 0)
 

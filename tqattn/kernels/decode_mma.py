@@ -2,10 +2,13 @@
 
 The tensor-core path of :func:`tqattn.kernels.decode.decode_attention_triton` for the layouts of
 :func:`tqattn.kernels._spec.mma_layout`, head size 128, GQA groups of up to 8 query heads, one
-query row per sequence, no window / soft-cap, in two formats (constexprs KEYS, VALS):
+query row per sequence, no window / soft-cap, in three formats (constexprs KEYS, VALS):
 
 * KEYS = VALS = 0, ``turboquant_k3v4_nc``: 3-bit centroid keys in column-major planes, 4-bit
   uniform values in token rows (the description below);
+* KEYS = 1, VALS = 0, ``turboquant_4bit_nc``: the 4-bit row keys below with the first format's
+  uniform values; the values fix the score rows' token order (MAP = VALS), so a lane loads the
+  key rows of its tokens 8g + j;
 * KEYS = VALS = 1, ``tq_k4v3``: 4-bit keys of a symmetric codebook in token rows (a lane reads
   16 row bytes of each of its 8 tokens, :data:`_asm.LUT4_ROWS` turns a byte into its coordinate
   pair), rotated 3-bit values in column-major planes (:data:`_asm.LUT3_TOKENS`: one coordinate's
@@ -521,26 +524,37 @@ def _load_values(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.conste
 
 @gluon.jit
 def _load_keys4(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
-                KN_OFF: gl.constexpr):
-    """4-bit row keys (MAP 1): the lane's 16 row bytes 16t.. of its 8 tokens 16(g // 2) +
-    g % 2 + 2j (16 int64: token j's in words 2j, 2j + 1) and the 4 words of the fp16 key norms
-    of tokens 16(g // 2) + 0..15."""
-    tg = t * TILE + 16 * (lane // 8)
+                KN_OFF: gl.constexpr, MAP: gl.constexpr):
+    """4-bit row keys: the lane's 16 row bytes 16t.. of its 8 tokens (16 int64: token j's in
+    words 2j, 2j + 1) and the words of their fp16 key norms. MAP 1: tokens 16(g // 2) + g % 2 +
+    2j, the 4 norm words of tokens 16(g // 2) + 0..15; MAP 0 (the order 4-bit uniform values
+    fix): tokens 8g + j, the 2 norm words of those 8 tokens."""
+    step: gl.constexpr = 8 + 8 * MAP   # int64 words from token j to j + 1: one or two rows
+    if MAP == 0:
+        tg = t * TILE + 8 * (lane // 4)
+        first = tg % BS
+    else:
+        tg = t * TILE + 16 * (lane // 8)
+        first = (tg % BS) + (lane // 4) % 2
     pg = page0 + pages[0].to(gl.int64) * sc_b
-    row = pg + K_OFF + ((tg % BS) + (lane // 4) % 2) * 64 + 16 * (lane % 4)
-    kb = row.to(gl.pointer_type(gl.int64))
+    kb = (pg + K_OFF + first * 64 + 16 * (lane % 4)).to(gl.pointer_type(gl.int64))
     a0, a1 = _load16(kb)
-    b0, b1 = _load16(kb + 16)
-    c0, c1 = _load16(kb + 32)
-    d0, d1 = _load16(kb + 48)
-    e0, e1 = _load16(kb + 64)
-    f0, f1 = _load16(kb + 80)
-    g0, g1 = _load16(kb + 96)
-    h0, h1 = _load16(kb + 112)
+    b0, b1 = _load16(kb + step)
+    c0, c1 = _load16(kb + 2 * step)
+    d0, d1 = _load16(kb + 3 * step)
+    e0, e1 = _load16(kb + 4 * step)
+    f0, f1 = _load16(kb + 5 * step)
+    g0, g1 = _load16(kb + 6 * step)
+    h0, h1 = _load16(kb + 7 * step)
+    kw = (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1, g0, g1, h0, h1)
     sp = (pg + KN_OFF + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
-    n0, n1 = _load16(sp)
-    n2, n3 = _load16(sp + 2)
-    return (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1, g0, g1, h0, h1), (n0, n1, n2, n3)
+    if MAP == 0:
+        kn = _load16(sp)
+    else:
+        n0, n1 = _load16(sp)
+        n2, n3 = _load16(sp + 2)
+        kn = (n0, n1, n2, n3)
+    return kw, kn
 
 
 @gluon.jit
@@ -569,11 +583,11 @@ def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.const
 
 @gluon.jit
 def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
-            KN_OFF: gl.constexpr, KEYS: gl.constexpr):
+            KN_OFF: gl.constexpr, KEYS: gl.constexpr, MAP: gl.constexpr):
     if KEYS == 0:
         kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
     else:
-        kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
+        kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP)
     return kw, kn
 
 
@@ -597,7 +611,7 @@ def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexp
     """The lane's raw words of tile t (pages: :func:`_pages` of t): key words, value words and
     the words of their fp16 scalars. Pages hold >= 16 tokens and tiles start at page
     boundaries, so each lane reads one page per role."""
-    kw, kn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS)
+    kw, kn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, VALS)
     vw, vs, vz = _load_v(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS)
     return kw, vw, (kn, vs, vz)
 
@@ -610,14 +624,16 @@ def _lane_sums(x):
 
 
 @gluon.jit
-def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr, KEYS: gl.constexpr):
-    """A tile's scores (log2 units) from its key words; MASKED: -inf past the sequence."""
+def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr, KEYS: gl.constexpr,
+            MAP: gl.constexpr):
+    """A tile's scores (log2 units) from its key words (rows in the token order MAP);
+    MASKED: -inf past the sequence."""
     if KEYS == 0:
         ka = _key_operand(kw, tab)
     else:
         ka = _key_operand4(kw, tab)
     s = mma_v2(ka, qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
-    s = s * _row_scalars(skn, KEYS)
+    s = s * _row_scalars(skn, MAP)
     if MASKED:
         s = gl.where((t * TILE + tau < seq_len)[:, None], s, float("-inf"))
     return s
@@ -663,7 +679,7 @@ def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv, tau, MASKED
           KEYS: gl.constexpr, VALS: gl.constexpr):
     """One 64-token tile from its raw words (:func:`_load_tile`). MASKED: the sequence's last,
     partial tile."""
-    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED, KEYS)
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED, KEYS, VALS)
     return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED, VALS)
 
 
@@ -711,8 +727,8 @@ def _step(kw, vw, sc, t, tn, pages, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv, 
           VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr):
     """Full tile t from its words, and the words of tile tn (pages: its page indices) loaded
     during t, each role's as soon as t's words of that role are consumed."""
-    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False, KEYS)
-    kw, skn = _load_k(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS)
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False, KEYS, VALS)
+    kw, skn = _load_k(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, VALS)
     gl.thread_barrier()
     m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, tabv,
                                  False, VALS)
@@ -840,8 +856,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     bt_row = bt_ptr + b.to(gl.int64) * sbt
     page0 = cache_ptr + kvh.to(gl.int64) * sc_h
     rho = gl.arange(0, TILE, layout=_ROWS)
-    # the token of score row ρ (MAP: the key format's row order, which the values follow)
-    if KEYS == 0:
+    # the token of score row ρ: the values' format fixes the row order (MAP = VALS), which the
+    # key loads follow
+    if VALS == 0:
         tau = 8 * (rho % 8) + rho // 8
     else:
         tau = 16 * ((rho % 8) // 2) + 2 * (rho // 8) + rho % 2
@@ -849,9 +866,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # the first tile's words are loaded first, the query rotated while they are in flight; the
     # page indices run a tile ahead of the words, so a block-table miss never waits in line
     # before a tile's word loads
-    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, KEYS), page0, lane, sc_b,
+    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, VALS), page0, lane, sc_b,
                             BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS)
-    pages = _pages(t0 + 1, seq_len, bt_row, lane, BS, KEYS)
+    pages = _pages(t0 + 1, seq_len, bt_row, lane, BS, VALS)
     hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
     q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
     qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, KEYS)
@@ -863,7 +880,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                              ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
                              VS_OFF, VZ_OFF, K_LUT, K_BND)
             if t0 == n_tiles - 1:
-                kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, KEYS), page0, lane,
+                kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, VALS), page0, lane,
                                         sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
                                         VALS)
 
@@ -885,7 +902,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                                                z_p, acc, qb, tab, tabv, tau, page0, lane, sc_b,
                                                BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
                                                VALS)
-        pages = _pages(t + 2, seq_len, bt_row, lane, BS, KEYS)
+        pages = _pages(t + 2, seq_len, bt_row, lane, BS, VALS)
         pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
     if t_mid < t1:  # the last split: the sequence's partial last tile
         m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv,

@@ -109,6 +109,16 @@ def test_a_size_the_model_cannot_split_fails_before_any_process_starts(tp, messa
     assert children.read_text().split() == before  # no worker was started
 
 
+def test_a_named_gpu_other_than_the_first_is_refused(monkeypatch):
+    # rank r runs on cuda:r: device="cuda:1" would otherwise run rank 0 on cuda:0 unannounced.
+    # Two GPUs pretended: the refusal comes before anything touches one.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 runs rank r on cuda:r; "
+                                         r"device='cuda:1' names one GPU"):
+        LLM("llama-tiny", tensor_parallel_size=2, **dict(ENGINE, device="cuda:1"))
+
+
 def test_cli_flag_rejects_zero(capsys):
     from tqattn.cli import main
 

@@ -133,9 +133,10 @@ def resolve_compile_model(args: EngineArgs, device: torch.device) -> bool:
 
 
 def resolve_device(args: EngineArgs) -> torch.device:
-    """The engine's device (rank 0's with tensor parallelism: rank r runs on cuda:r)."""
+    """The engine's device (rank 0's with tensor parallelism: rank r runs on cuda:r; a named
+    GPU other than cuda:0 stays as given, for check_tensor_parallel to refuse)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.tensor_parallel_size > 1 and device.type == "cuda":
+    if args.tensor_parallel_size > 1 and device.type == "cuda" and device.index is None:
         return torch.device("cuda", 0)
     return device
 

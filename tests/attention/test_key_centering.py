@@ -43,10 +43,16 @@ def test_centering_changes_the_codes_not_the_rule():
     assert (a - c).abs().max() > 1e-3                  # a real offset changes the codes
 
 
-def test_triton_kernels_with_centering(monkeypatch):
-    force_triton(monkeypatch, ("store", "decode"))
-    s = spec(kv=P, hq=4, hk=2, d=16)
-    out, ref, *_ = run_step(s, [(0, 1), (9, 1), (0, 5), (6, 3)], fused=True,
+@pytest.mark.parametrize("preset,d,splits", [
+    (P, 16, 1), ("tq_k4v3", 64, 2), ("turboquant_k8v4", 64, 1), ("tq_k3o4v3.5", 64, 1)])
+def test_triton_kernels_with_centering(monkeypatch, preset, d, splits):
+    """The Triton store (key splits, outliers, fp8 keys), decode and dequant on centered keys:
+    a decode, a first chunk, a short and a long continuation in one step."""
+    from tqattn.kernels import store
+    force_triton(monkeypatch, ("store", "decode", "dequant"))
+    monkeypatch.setattr(store, "auto_key_splits", lambda n_kv, device: splits)
+    s = spec(kv=preset, hq=4, hk=2, d=d)
+    out, ref, *_ = run_step(s, [(9, 1), (0, 5), (6, 3), (20, 6)], threshold=4, fused=True,
                             key_offset=big_offset(s))
     check(out, ref, atol=2e-3)
 

@@ -157,6 +157,17 @@ def test_store_centers_keys(name, splits, tf32x3):
     assert (a != c).float().mean().item() > 0.2
 
 
+def test_store_refuses_a_key_offset_it_would_misread():
+    from tqattn.kernels import store
+    codec = TQCodec("tq_k4v3", 64)
+    k = v = torch.randn(4, 2, 64)
+    cache = torch.zeros(paged.kv_cache_shape(1, 16, 2, codec), dtype=torch.uint8)
+    mu = torch.randn(2, 64)
+    for bad in ((mu, mu.t().contiguous().t()), (mu, mu.double()), (mu.half(), mu), (mu, mu[:1])):
+        with pytest.raises(ValueError, match=r"key_offset: contiguous fp32 \(μ, μ·R\) of shape \(2, 64\)"):
+            store.store_kv_triton(codec, k, v, cache, torch.arange(4), key_offset=bad)
+
+
 def test_store_half_inputs():
     codec = TQCodec("turboquant_k3v4_nc", 64)
     k = torch.randn(4, 2, 64).to(torch.bfloat16)

@@ -475,9 +475,13 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
         value = value.contiguous()
     if key_offset is not None:
         mu, mu_rot = key_offset
-        if mu.shape != (hk, d) or mu_rot.shape != (hk, d) or mu.dtype != torch.float32:
-            raise ValueError(f"key_offset: fp32 (μ, μ·R) of shape {(hk, d)} expected, got "
-                             f"{mu.dtype} {tuple(mu.shape)} / {tuple(mu_rot.shape)}")
+        # the kernel reads both as dense fp32 rows on the key's device
+        if any(t.shape != (hk, d) or t.dtype != torch.float32 or not t.is_contiguous()
+               or t.device != key.device for t in (mu, mu_rot)):
+            raise ValueError(f"key_offset: contiguous fp32 (μ, μ·R) of shape {(hk, d)} on "
+                             f"{key.device} expected, got {mu.dtype} {tuple(mu.shape)} on "
+                             f"{mu.device} / {mu_rot.dtype} {tuple(mu_rot.shape)} on "
+                             f"{mu_rot.device}")
     else:
         mu = mu_rot = tab  # not read
     rows = n * hk

@@ -201,3 +201,26 @@ def test_builds_since_tells_disk_cache_loads_from_compiles():
         listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=hit)
     assert compilation.builds_since(before) == {"dynamo": 0, "triton_loaded": 2,
                                                 "triton_compiled": 1}
+
+
+def test_compile_layers_raises_dynamos_recompile_limit(monkeypatch):
+    """Every layer class, dtype and engine of a process adds a graph to one Dynamo cache (the
+    layers share their checkpointing wrapper's code): at Dynamo's default limit of 8 the ninth
+    would run eagerly. compile_layers raises the limit and never lowers a higher one."""
+    from torch import nn
+
+    class Layer(nn.Module):
+        def __init__(self, idx):
+            super().__init__()
+            self.attn = nn.Module()
+            self.attn.tqattn_spec = idx
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Layer(0), Layer(1)])
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    assert compilation.compile_layers(model) == 1
+    assert torch._dynamo.config.recompile_limit == compilation.RECOMPILE_LIMIT > 8
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1000)
+    compilation.compile_layers(model)
+    assert torch._dynamo.config.recompile_limit == 1000
+

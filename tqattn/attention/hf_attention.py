@@ -68,7 +68,8 @@ def use_tqattn(model: torch.nn.Module, specs: list[AttentionLayerSpec]) -> None:
         idx = getattr(m, "layer_idx", None)
         if isinstance(idx, int) and idx in by_idx:
             m.tqattn_spec = by_idx[idx]
-            m.register_buffer("tqattn_layer", torch.tensor(idx), persistent=False)
+            m.register_buffer("tqattn_layer", torch.tensor(idx, device="cpu"),
+                              persistent=False)  # the op reads it on the host
             bound.add(idx)
     if bound != set(by_idx):
         raise RuntimeError(f"{type(model).__name__}: no module with layer_idx for layers "

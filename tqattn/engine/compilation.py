@@ -45,6 +45,10 @@ def model_logits(model: torch.nn.Module, input_ids: torch.Tensor, positions: tor
 
 
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+# Dynamo caches graphs per code object, and transformers' decoder layers share one (their
+# checkpointing wrapper's forward): every layer class, dtype and engine of a process adds an
+# entry there, and past Dynamo's default limit of 8 a layer would run eagerly.
+RECOMPILE_LIMIT = 64
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -69,6 +73,8 @@ def compile_layers(model: torch.nn.Module) -> int:
     the model dtype where eager rounds (``emulate_precision_casts``), so the cache's codec gets
     the keys eager computes (bench/results/README.md). Returns the number of compiled layer
     classes."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               RECOMPILE_LIMIT)
     compiled: dict[type, object] = {}
     for layer in decoder_layers(model):
         cls = type(layer)

@@ -88,8 +88,9 @@ def tp_load_kwargs(hf_config: Any, model_prefix: str, tp: int) -> dict:
     with its own plan, and three overrides (transformers' own styles):
 
     * the input embedding stays whole on every rank (``replicate``): the plan's vocab-parallel
-      embedding runs through DTensor sharding propagation, which cannot trace the compiled
-      model's unbacked token count; a tied LM head shares that whole weight, so it stays whole too;
+      embedding (DTensor sharding propagation) could not be traced when the whole model was
+      compiled; the embedding now runs eagerly, but sharding it is untested. A tied LM head
+      shares that whole weight, so it stays whole too;
     * with fewer KV heads than ranks the KV projections use ``unit_colwise`` (whole heads, each on
       tp / num_kv_heads ranks)."""
     from transformers.distributed import DistributedConfig

@@ -203,7 +203,7 @@ def test_builds_since_tells_disk_cache_loads_from_compiles():
                                                 "triton_compiled": 1}
 
 
-def test_compile_layers_raises_dynamos_recompile_limit(monkeypatch):
+def test_compile_layers_raises_dynamos_recompile_limit():
     """Every layer class, dtype and engine of a process adds a graph to one Dynamo cache (the
     layers share their checkpointing wrapper's code): at Dynamo's default limit of 8 the ninth
     would run eagerly. compile_layers raises the limit and never lowers a higher one."""
@@ -217,10 +217,12 @@ def test_compile_layers_raises_dynamos_recompile_limit(monkeypatch):
 
     model = nn.Module()
     model.layers = nn.ModuleList([Layer(0), Layer(1)])
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    assert compilation.compile_layers(model) == 1
-    assert torch._dynamo.config.recompile_limit == compilation.RECOMPILE_LIMIT > 8
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1000)
-    compilation.compile_layers(model)
-    assert torch._dynamo.config.recompile_limit == 1000
+    # torch's config.patch, not monkeypatch: the config module hides an attribute monkeypatch
+    # restores
+    with torch._dynamo.config.patch(recompile_limit=8):
+        assert compilation.compile_layers(model) == 1
+        assert torch._dynamo.config.recompile_limit == compilation.RECOMPILE_LIMIT > 8
+    with torch._dynamo.config.patch(recompile_limit=1000):
+        compilation.compile_layers(model)
+        assert torch._dynamo.config.recompile_limit == 1000
 

@@ -139,9 +139,10 @@ def test_decode_without_asm_gpu(name, monkeypatch, portable):
 def test_decode_mma_path_gpu(name, monkeypatch):
     """Head size 128 runs the Gluon tensor-core kernel (kernels/decode_mma.py) for its formats
     (3-bit keys + uniform 4-bit values, storing new tokens itself; 4-bit keys + rotated 3-bit
-    values, and 4-bit keys + uniform 4-bit values, after the store kernel): page sizes, GQA 7 and 3, sequences of 0 tokens and of
-    fewer tiles than splits, several split counts (ranges by program age, positions by
-    arrival); the last split of each group merges and resets its counter. The portable
+    values, and 4-bit keys + uniform 4-bit values, after the store kernel): page sizes, GQA 7
+    and 3, sequences of 0 tokens and of fewer tiles than splits, several split counts (ranges
+    by program age, positions by arrival); the last split of each group merges and resets its
+    counter. The portable
     kernel's inline-asm path for the same layout stays covered with the tensor-core kernel
     off."""
     from tqattn.kernels import decode_mma, step

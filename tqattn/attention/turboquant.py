@@ -225,15 +225,16 @@ class TurboQuantImpl(AttentionImpl):
         return get_codec(self.preset, self.spec.head_size, str(torch.device(device)))
 
     def store(self, key, value, kv_cache, metadata) -> None:
-        self._store(key, value, kv_cache, metadata, self.key_offset)
+        self._store(key, value, kv_cache, metadata)
 
     def forward(self, query, key, value, kv_cache, metadata: TurboQuantMetadata):
         return self._forward(query, self._center(key), value, kv_cache, metadata)
 
-    def _store(self, key, value, kv_cache, metadata, offset: KeyOffset | None = None) -> None:
-        """Store the step's K/V; with ``offset``, the store centers the keys itself."""
+    def _store(self, key, value, kv_cache, metadata) -> None:
+        """Store the step's K/V; with a key offset, the store centers the keys itself."""
         n = metadata.num_actual_tokens
         codec = self.codec(kv_cache.device)
+        offset = self.key_offset
         _kernels().store_kv(codec, key[:n], value[:n], kv_cache, metadata.slot_mapping[:n],
                             key_offset=None if offset is None else offset.for_store(codec.rotation))
 
@@ -241,12 +242,13 @@ class TurboQuantImpl(AttentionImpl):
         md = metadata
         n = md.num_actual_tokens
         if md.num_prefills or md.token_perm is not None or md.num_decodes != n:
-            self._store(key, value, kv_cache, md, self.key_offset)
+            self._store(key, value, kv_cache, md)
             if md.num_prefills and (md.long or md.short is not None):
                 key = self._center(key)  # the chunk shares a softmax with the centered prefix
             return self._forward(query, key, value, kv_cache, md)
-        key = self._center(key)  # the decode call stores the new keys (kernels/step.py)
-        # a decode-only step: the decode call writes the new K/V (where: kernels/step.py)
+        # a decode-only step: the decode call writes the new K/V (where: kernels/step.py),
+        # centered here
+        key = self._center(key)
         out = torch.empty_like(query)
         out[n:].zero_()
         o = self._decode(self.codec(query.device), query[:n], kv_cache, md.decode_block_table,

@@ -706,7 +706,7 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     row_blocks = triton.cdiv(max_query_len * group, block_m)
     plain = step.plain(query_start_loc, query_pos_start, window, softcap)
     mma = step.tensor_core_decode(spec, q, hk, plain)
-    if new_kv is not None and not (mma and spec.mma.store):  # step.decode_kernel_store's rule
+    if new_kv is not None and step.store_site(spec, mma) == step.STORE_KERNEL:
         store.store_kv_triton(codec, new_kv[0], new_kv[1], kv_cache, new_kv[2])
         new_kv = None
     if mma:

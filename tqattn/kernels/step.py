@@ -89,10 +89,14 @@ def tensor_core_decode(spec, q: torch.Tensor, num_kv_heads: int, plain: bool) ->
 
 def decode_kernel_store(spec, q: torch.Tensor, num_kv_heads: int, plain: bool) -> str:
     """For a Triton decode call: DECODE_KERNEL where the tensor-core kernel runs it and stores
-    the step's new token itself (its layouts with ``spec.mma.store``), else STORE_KERNEL."""
-    if tensor_core_decode(spec, q, num_kv_heads, plain) and spec.mma.store:
-        return DECODE_KERNEL
-    return STORE_KERNEL
+    the step's new token itself, else STORE_KERNEL."""
+    return store_site(spec, tensor_core_decode(spec, q, num_kv_heads, plain))
+
+
+def store_site(spec, mma: bool) -> str:
+    """:func:`decode_kernel_store` given whether the tensor-core kernel runs the call: it stores
+    the new token itself in its layouts with ``spec.mma.store``."""
+    return DECODE_KERNEL if mma and spec.mma.store else STORE_KERNEL
 
 
 def triton_spec(codec, q: torch.Tensor, kv_cache: torch.Tensor):

@@ -18,6 +18,9 @@ the teacher-forced comparison on the CPU (Inductor's C++ backend; no CUDA graphs
 own error, the scale for a compressed cache's compiled-vs-eager difference. ``floor_kl``: eager
 against eager with the last mantissa bit of every input embedding flipped (one bf16 ulp) — what
 the cache makes of a rounding-level change upstream, the floor for compiled-vs-eager.
+``shared_kl`` / ``shared_top1``: compiled vs eager on one cache — at every position the compiled
+engine's model runs eagerly (Dynamo's ``force_eager`` stance) and compiled on the same cached
+prefix, so a compressed cache's codes cannot drift apart; the compiled model's own difference.
 
 The gate's problems come from reasoning-gym, which the GPU machine lacks: ``--write-items FILE``
 (on a machine with it) saves each gate config's questions and shots, ``--items FILE`` reads them.
@@ -40,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import environment  # noqa: E402
 from tqattn import LLM, SamplingParams  # noqa: E402
 from tqattn.engine import compilation  # noqa: E402
+from tqattn.engine.scheduler import ScheduledSeq  # noqa: E402
+from tqattn.engine.sequence import Sequence  # noqa: E402
 from tqattn.evals import data as evdata  # noqa: E402
 from tqattn.evals import gsm8k, scoring  # noqa: E402
 
@@ -83,6 +88,28 @@ def eager_scores(kv_cache_dtype: str, num_tokens: int, device: str,
     return _EAGER[key]
 
 
+@torch.inference_mode()
+def shared_cache_scores(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced log-probs of a compiled engine's model run eagerly and compiled at every
+    position of ids, one token per step, both reading the same cached prefix (the compiled run
+    goes second: its K/V are the ones kept)."""
+    engine = llm.llm_engine
+    seq = Sequence(ids, SamplingParams(temperature=0.0, max_tokens=1), seq_id=("shared", 0))
+    out: dict[str, list] = {"force_eager": [], "default": []}
+    try:
+        for pos in range(len(ids)):
+            if not engine.block_manager.allocate_slots(seq, 1):
+                raise RuntimeError(f"no free KV-cache block at position {pos}")
+            for stance in out:
+                with torch.compiler.set_stance(stance):
+                    logits = engine.runner.logits_at([ScheduledSeq(seq, 1, False, pos)], [0])
+                out[stance].append(torch.log_softmax(logits.float(), -1).cpu())
+            seq.num_computed_tokens += 1
+    finally:
+        engine.block_manager.free(seq)
+    return torch.cat(out["force_eager"]), torch.cat(out["default"])
+
+
 def decode_path(kv_cache_dtype: str, num_tokens: int, device: str = "cuda") -> dict:
     kwargs = engine_kwargs(kv_cache_dtype, device)
     # the references first: compilations are counted from the compiled engine's start-up on
@@ -95,6 +122,8 @@ def decode_path(kv_cache_dtype: str, num_tokens: int, device: str = "cuda") -> d
                      kl_top1(eager_scores(kv_cache_dtype, num_tokens, device, perturb=True)[1], ref)))
     compiled = LLM(compile_model=True, **kwargs)
     kl, top1 = kl_top1(compiled.score(ids, chunk_size=1), ref)
+    eager_lp, compiled_lp = shared_cache_scores(compiled, ids)
+    shared = dict(zip(("shared_kl", "shared_top1"), kl_top1(compiled_lp, eager_lp)))
     runner = compiled.llm_engine.runner
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     graphs_equal = {}
@@ -113,7 +142,7 @@ def decode_path(kv_cache_dtype: str, num_tokens: int, device: str = "cuda") -> d
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"kv_cache_dtype": kv_cache_dtype, "tokens": len(ids), "mean_kl": kl, "top1": top1,
-            **quant, **floor, "graphs_vs_none_identical": graphs_equal,
+            **shared, **quant, **floor, "graphs_vs_none_identical": graphs_equal,
             "compilations_after_startup": counts}
 
 

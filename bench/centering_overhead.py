@@ -3,7 +3,7 @@ with and without a key offset, timed in turns in one process (bench.common.Timer
 CUDA-graph replays, L2 flushed, a and b alternating).
 
 * prefill store: ``TurboQuantImpl.store`` of N new tokens (default 16K) x 8 KV heads, head size
-  128, bf16 — centered, the layer subtracts μ from the keys first (one elementwise kernel);
+  128, bf16 — centered, the store kernel subtracts μ from the keys as it loads them;
 * decode step: ``store_and_forward`` of a decode-only batch (B = 32 sequences of 16K tokens,
   32 query / 8 KV heads, head size 128): the decode kernel stores the new token itself (the
   fused store) and reads the whole cache.

@@ -20,8 +20,10 @@ CUDA event wait does). Three measurements, each over ``--num-prompts`` requests 
         [--modes offline,server,server-drain,client] [--repeat N] [--label TREE] [--json out.json]
     python bench/serve_overhead.py --report out.json   # the markdown table of a --json file
 
-Server runs also report the server process's CPU time per output token, in all and in its
-engine and HTTP threads (Linux /proc), and its garbage-collection time: on a shared machine
+Server runs also report CPU time per output token (Linux /proc): of the server's main process
+(the engine's side) in all and in its engine thread, and of its HTTP front end's process (before
+the front end had its own process: the HTTP thread of the one process); and the main process's
+garbage-collection time: on a shared machine
 these move less with the load than tokens per second. The H200 run's dummy Qwen3-4B has no
 tokenizer (``--tokenizer none``, the default): its chunks carry token progress with empty text;
 ``--tokenizer smollm2`` detokenizes real text. Environment of the server subprocess, for
@@ -147,8 +149,9 @@ def run_offline(args) -> dict:
 
 # ---- (b) the server --------------------------------------------------------------------------------
 
-def _cpu_seconds(tids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds (user + system) of this process and of the named threads (Linux /proc)."""
+def _cpu_seconds(tids: dict[str, int], frontend_pid: int | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) of this process, of the named threads and of the front end
+    process (Linux /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
 
     def stat(path):
@@ -157,14 +160,17 @@ def _cpu_seconds(tids: dict[str, int]) -> dict[str, float]:
     out = {"process": stat("/proc/self/stat")}
     for name, tid in tids.items():
         out[name] = stat(f"/proc/self/task/{tid}/stat")
+    if frontend_pid is not None:
+        out["http"] = stat(f"/proc/{frontend_pid}/stat")
     return out
 
 
 def serve_main(args) -> int:
     """The server subprocess: the stand-in engine behind tqattn's Server; prints its URL. SIGUSR1
     marks the start of the measured load; SIGTERM stops it and prints the engine thread's steps,
-    the CPU seconds of the process and of its engine and HTTP threads, and the seconds spent in
-    the garbage collector since the mark (GC_FREEZE=1: gc.freeze() after start-up)."""
+    the CPU seconds of the process (the engine's side), of its engine thread and of the HTTP
+    front end's process, and the seconds spent in the engine side's garbage collector since the
+    mark (GC_FREEZE=1: gc.freeze() after start-up)."""
     import threading
 
     from tqattn.serve.server import Server
@@ -189,7 +195,8 @@ def serve_main(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     server.start()
     tids = {t.name.removeprefix("tqattn-"): t.native_id for t in threading.enumerate()
-            if t.name in ("tqattn-engine", "tqattn-http")}
+            if t.name == "tqattn-engine"}
+    frontend = server._frontend.pid
 
     import gc
     gc_time = {"s": 0.0, "n": [0, 0, 0], "t0": 0.0}
@@ -206,14 +213,14 @@ def serve_main(args) -> int:
         gc.freeze()
 
     def on_mark(*_):
-        mark.update(_cpu_seconds(tids))
+        mark.update(_cpu_seconds(tids, frontend))
         steps.update(n=0, s=0.0)
         gc_time.update(s=0.0, n=[0, 0, 0])
     signal.signal(signal.SIGUSR1, on_mark)
     print(f"URL {server.url}", flush=True)
     while not stop:
         time.sleep(0.05)
-    cpu = {k: v - mark.get(k, 0.0) for k, v in _cpu_seconds(tids).items()}
+    cpu = {k: v - mark.get(k, 0.0) for k, v in _cpu_seconds(tids, frontend).items()}
     server.stop()
     print("STEPS " + json.dumps({**steps, "cpu_s": cpu, "gc_s": gc_time["s"], "gc_collections": gc_time["n"]}),
           flush=True)
@@ -357,7 +364,7 @@ def run_client(args) -> dict:
 def report(path: str) -> str:
     """A markdown table of every result in a --json file."""
     rows = ["| tree | step ms | tokenizer | mode | output tok/s | chunks | engine ms/step | CPU µs/token: "
-            "process / engine thread / HTTP thread | load |", "|---|---|---|---|---|---|---|---|---|"]
+            "main process / engine thread / HTTP thread (label frontend-process: the front end's process) | load |", "|---|---|---|---|---|---|---|---|---|"]
     for run in json.loads(Path(path).read_text())["runs"]:
         c = run["config"]
         for r in run["results"]:

@@ -164,17 +164,16 @@ def cmd_serve(args) -> int:
     from .serve.server import Server, startup_message
 
     engine = LLMEngine(EngineArgs(**engine_kwargs))
-    server = Server(engine, args.host, args.port, args.served_model_name, args.max_waiting_requests,
-                    args.request_timeout, log_level=args.uvicorn_log_level)
+    try:
+        server = Server(engine, args.host, args.port, args.served_model_name, args.max_waiting_requests,
+                        args.request_timeout, log_level=args.uvicorn_log_level)
+    except OSError as e:  # e.g. the port is taken
+        raise OSError(f"could not serve on {args.host}:{args.port}: {e}") from None
     signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: abort requests, close the socket
     try:
         server.start()
-    except RuntimeError as e:  # e.g. the port is taken: uvicorn logged why
-        raise OSError(f"could not serve on {args.host}:{args.port}: {e}") from None
-    print(startup_message(server), flush=True)
-    try:
-        while server._thread.is_alive():
-            server._thread.join(0.5)
+        print(startup_message(server), flush=True)
+        server.wait()
     except KeyboardInterrupt:
         print("tqattn: shutting down", file=sys.stderr)
     finally:

@@ -78,7 +78,7 @@ def wait_idle(server, timeout: float = 10.0) -> None:
     """Wait until the engine has nothing running and every cache block is free again."""
     import time
 
-    engine = server.async_engine.engine
+    engine = server.engine
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         bm = engine.block_manager

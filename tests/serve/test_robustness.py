@@ -167,9 +167,9 @@ def _read_some_and_close(server, path, body, n_events: int) -> None:
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny_server):
-    engine = tiny_server.async_engine.engine
+    engine = tiny_server.engine
     free0 = engine.block_manager.num_free_blocks()
-    before = tiny_server.async_engine.metrics.num_aborted
+    before = tiny_server.engine_loop.num_aborted
     _read_some_and_close(tiny_server, C, {"prompt": "Hello", "max_tokens": 240, "ignore_eos": True,
                                           "stream": True}, 3)
     _read_some_and_close(tiny_server, CH, {"messages": MSG, "max_tokens": 200, "ignore_eos": True,
@@ -183,7 +183,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny_server):
     conn.close()
     wait_idle(tiny_server)
     assert engine.block_manager.num_free_blocks() == free0
-    assert tiny_server.async_engine.metrics.num_aborted == before + 3
+    assert tiny_server.engine_loop.num_aborted == before + 3
 
 
 def test_back_pressure_503_with_retry_after(small_cache_server):
@@ -212,7 +212,7 @@ def test_back_pressure_503_with_retry_after(small_cache_server):
 
 def test_load_with_disconnects(tiny_server):
     """64 concurrent streaming clients, 96 requests, a seeded third disconnecting mid-stream."""
-    engine = tiny_server.async_engine.engine
+    engine = tiny_server.engine
     rng = random.Random(1)
     n_requests, max_tokens = 96, 16
     leave = set(rng.sample(range(n_requests), n_requests // 3))
@@ -261,3 +261,44 @@ def test_load_with_disconnects(tiny_server):
     wait_idle(tiny_server)
     assert health_codes and set(health_codes) == {200}, health_codes
     assert elapsed < 60
+
+
+def test_stop_ends_running_streams_and_the_front_end_process(tiny_model_dir):
+    """Stopping the server mid-stream: the client's stream ends with an error event and [DONE],
+    the front end process exits, every block is free; a taken port fails at construction."""
+    from tqattn.serve.server import Server
+
+    engine = make_engine(tiny_model_dir, max_num_seqs=4)
+    server = Server(engine, port=0, log_level="error").start()
+    try:
+        with pytest.raises(OSError):
+            Server(engine, port=server.port, log_level="error")
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("POST", C, body=json.dumps({"prompt": "Hello", "max_tokens": 240, "ignore_eos": True,
+                                                 "stream": True}).encode(),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200
+        while not r.fp.readline().startswith(b"data: "):  # the first event (chunked encoding)
+            pass
+    finally:
+        server.stop()
+    rest = r.fp.read().decode()  # to the end, chunk sizes included
+    conn.close()
+    # the error event, then [DONE], then the chunked body's end
+    error = rest.rfind('data: {"error": {"message": "the server is shutting down"')
+    assert 0 <= error < rest.rfind("data: [DONE]\n\n") and rest.endswith("0\r\n\r\n"), rest[-300:]
+    assert server._frontend.poll() is not None
+    assert engine.block_manager.usage == 0 and not engine.has_unfinished_requests()
+
+
+def test_the_server_stops_when_its_front_end_dies(tiny_model_dir):
+    from tqattn.serve.server import Server
+
+    engine = make_engine(tiny_model_dir, max_num_seqs=4)
+    with Server(engine, port=0, log_level="error") as server:
+        assert _post(server, "/health", None, method="GET")[0] == 200
+        server._frontend.kill()
+        t = time.monotonic()
+        server.wait()  # returns: `tqattn serve` exits instead of serving nothing
+        assert time.monotonic() - t < 5

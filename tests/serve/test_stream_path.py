@@ -6,6 +6,7 @@ arguments (the same as the offline chat workload's)."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import random
 import shlex
 import sys
@@ -17,6 +18,7 @@ from tqattn.engine.outputs import CompletionOutput, RequestOutput
 from tqattn.engine.sampling import SamplingParams
 from tqattn.engine.streaming import Detokenizer, IncrementalOutput, StreamOutput
 from tqattn.serve.async_engine import AsyncEngine, EngineError, RequestStream
+from tqattn.serve.engine_loop import EngineLoop
 
 from .conftest import make_engine
 
@@ -69,7 +71,7 @@ def test_incremental_detokenization_equals_the_full_decode(tokenizer, skip_speci
 
 def _stream(pieces_then_error=()):
     aborted = []
-    engine = types.SimpleNamespace(engine=types.SimpleNamespace(tokenizer=None), abort=aborted.append)
+    engine = types.SimpleNamespace(tokenizer=None, abort=aborted.append)
     loop = asyncio.get_running_loop()
     stream = RequestStream(engine, "r", SamplingParams(), loop)
     for item in pieces_then_error:
@@ -112,10 +114,15 @@ def test_a_reader_behind_gets_the_pieces_merged_and_errors_after_them():
 
 
 def test_the_engine_thread_hands_the_loop_one_batch_per_step(tiny_model_dir):
-    """8 concurrent requests of 12 tokens: the loop is called at most once per engine step (and
-    once per accepted request), not once per token; each stream gets its request's tokens."""
+    """8 concurrent requests of 12 tokens, both ends of the server's pipes in this process: the
+    loop is called at most once per engine step (and once per accepted request), not once per
+    token; each stream gets its request's tokens."""
     engine = make_engine(tiny_model_dir)
-    async_engine = AsyncEngine(engine)
+    commands_in, commands_out = multiprocessing.Pipe(duplex=False)
+    events_in, events_out = multiprocessing.Pipe(duplex=False)
+    engine_loop = EngineLoop(engine, events_out, commands_in)
+    async_engine = AsyncEngine(commands_out, events_in, engine.tokenizer, 256)
+    engine_loop.start()
     async_engine.start()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     calls = []
@@ -133,15 +140,18 @@ def test_the_engine_thread_hands_the_loop_one_batch_per_step(tiny_model_dir):
                 last = piece
             return tokens, last.output.outputs[0].token_ids
 
-        return await asyncio.gather(*(one(i) for i in range(8)))
+        out = await asyncio.gather(*(one(i) for i in range(8)))
+        return out, len(calls)
 
     try:
-        results = asyncio.run(main())
+        results, num_calls = asyncio.run(main())
     finally:
-        async_engine.shutdown()
+        engine_loop.shutdown()
     for tokens, final in results:
         assert len(tokens) == 12 and tokens == final
-    assert len(calls) <= 8 + async_engine.num_steps < 8 * 12, (len(calls), async_engine.num_steps)
+    assert num_calls <= 8 + engine_loop.num_steps < 8 * 12, (num_calls, engine_loop.num_steps)
+    assert async_engine.num_steps == engine_loop.num_steps
+    assert engine.block_manager.usage == 0
 
 
 def test_bench_serve_client_and_server_counters(tiny_server):

@@ -53,7 +53,6 @@ class ServerMetrics:
         self.num_aborted = 0
         self.num_rejected = 0  # 503: the waiting queue was full
         self.num_preemptions = 0
-        self.last_step_time = 0.0
         self.num_cudagraph_steps = 0  # steps that replayed a captured decode graph
         self.step_time = Histogram(STEP_BUCKETS)
         self.ttft = Histogram(TTFT_BUCKETS)

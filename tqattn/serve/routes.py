@@ -66,8 +66,7 @@ class _Chunks:
 
 def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | None = None) -> FastAPI:
     app = FastAPI(title="tqattn", docs_url=None, redoc_url=None, openapi_url=None)
-    llm_engine = engine.engine
-    max_model_len = llm_engine.scheduler.config.max_model_len
+    max_model_len = engine.max_model_len
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -102,7 +101,7 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
     @app.get("/metrics")
     async def metrics():
         text = engine.metrics.render(model_name, engine.num_running, engine.num_waiting,
-                                     engine.kv_cache_usage, llm_engine.compilation_counts()["total"])
+                                     engine.kv_cache_usage, engine.compilations)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def check_model(req) -> None:
@@ -116,6 +115,8 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
         except QueueFull as e:
             raise APIError(str(e), status=503, type="service_unavailable", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from None
+        except EngineError as e:
+            raise APIError(str(e), status=503, type="service_unavailable") from None
         except ValueError as e:
             msg = " ".join(str(e).split())
             param = "prompt" if "token ids" in msg or "prompt is empty" in msg or "tokenizer" in msg else None
@@ -152,7 +153,7 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
                              usage(len(out.prompt_token_ids), len(c.token_ids)))
 
     def _chat_prompt(req: ChatCompletionRequest) -> dict:
-        tok = llm_engine.tokenizer
+        tok = engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(f"the model {model_name!r} has no chat template; use /v1/completions",
                            param="messages")

@@ -1,81 +1,120 @@
-"""Run the app with uvicorn: in the foreground (``tqattn serve``) or in a thread (tests, benchmarks)."""
+"""The server: the engine in this process, the HTTP front end in a child process (frontend.py),
+started in the background (tests, benchmarks, ``tqattn serve``) or run in the foreground."""
 
 from __future__ import annotations
 
 import logging
-import threading
+import os
+import socket
+import subprocess
+import sys
 import time
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 from ..engine.llm_engine import LLMEngine, format_plan, format_startup
-from .async_engine import AsyncEngine
-from .routes import build_app
+from .engine_loop import EngineLoop
+from .frontend import FrontendConfig, uvicorn_module
 
 logger = logging.getLogger("tqattn.serve")
 
 
 def _uvicorn():
+    return uvicorn_module()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        import fastapi  # noqa: F401
-        import uvicorn
-    except ImportError as e:
-        raise ImportError(f"the server needs FastAPI and uvicorn ({e.name} is missing); install them "
-                          f"with: pip install -e \".[serve]\" (or pip install fastapi uvicorn)") from e
-    return uvicorn
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    return sock
 
 
 class Server:
-    """An OpenAI-compatible server over one LLMEngine. ``port=0`` takes a free port (see ``url``)."""
+    """An OpenAI-compatible server over one LLMEngine. ``port=0`` takes a free port (see ``url``).
+    The socket is bound here (a taken port raises OSError at once); the front end process
+    accepts on it."""
 
     def __init__(self, engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, max_waiting_requests: int = 256,
                  request_timeout: float | None = None, log_level: str = "info"):
-        uvicorn = _uvicorn()
+        _uvicorn()
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
+        if not isinstance(max_waiting_requests, int) or max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be a positive integer, got {max_waiting_requests!r}")
+        self.engine = engine
         self.model_name = served_model_name or engine.loaded.name
-        self.async_engine = AsyncEngine(engine, max_waiting_requests)
-        self.app = build_app(self.async_engine, self.model_name, request_timeout)
-        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
-                                timeout_graceful_shutdown=5, lifespan="off")
-        self.uvicorn = uvicorn.Server(config)
         self.host = host
-        self._thread: threading.Thread | None = None
-
-    @property
-    def port(self) -> int:
-        return self.uvicorn.servers[0].sockets[0].getsockname()[1]
+        self._sock = _bind(host, port)
+        self.port = self._sock.getsockname()[1]
+        commands_r, commands_w = os.pipe()
+        events_r, events_w = os.pipe()
+        self.engine_loop = EngineLoop(engine, Connection(events_w, readable=False),
+                                      Connection(commands_r, writable=False))
+        self._config = FrontendConfig(self.model_name, engine.tokenizer,
+                                      engine.scheduler.config.max_model_len, max_waiting_requests,
+                                      request_timeout, log_level)
+        self._child_fds = (self._sock.fileno(), commands_w, events_r)
+        self._frontend: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    def run(self) -> None:
-        """Serve in the foreground until interrupted (Ctrl-C / SIGTERM)."""
-        self.async_engine.start()
-        try:
-            self.uvicorn.run()
-        finally:
-            self.async_engine.shutdown()
-
-    def start(self, timeout: float = 30.0) -> Server:
-        """Serve from a background thread; returns once the socket is listening."""
-        self.async_engine.start()
-        self._thread = threading.Thread(target=self.uvicorn.run, name="tqattn-http", daemon=True)
-        self._thread.start()
-        end = time.monotonic() + timeout
-        while not self.uvicorn.started:
-            if not self._thread.is_alive() or time.monotonic() > end:
+    def start(self, timeout: float = 120.0) -> Server:
+        """Start the engine loop and the front end process; returns once it listens."""
+        env = dict(os.environ)  # the child imports this tqattn, wherever it was imported from
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])]
+                                            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        self._frontend = subprocess.Popen(
+            [sys.executable, "-m", "tqattn.serve.frontend", *map(str, self._child_fds)],
+            pass_fds=self._child_fds, env=env)
+        for fd in self._child_fds[1:]:  # the child has its own: end-of-file reaches us if it dies
+            os.close(fd)
+        self.engine_loop.send(self._config)  # its first message
+        self.engine_loop.start()
+        deadline = time.monotonic() + timeout
+        while not self.engine_loop.ready.wait(0.05):
+            if self._frontend.poll() is not None or time.monotonic() > deadline:
+                code = self._frontend.poll()
                 self.stop()
-                raise RuntimeError(f"the server did not start on {self.host}")
-            time.sleep(0.01)
+                raise RuntimeError(f"the HTTP front end did not start on {self.host}:{self.port}"
+                                   + (f" (it exited with code {code})" if code is not None else
+                                      f" within {timeout} s"))
+        self._sock.close()  # the front end holds its own copy
         return self
 
+    def wait(self) -> None:
+        """Block while the front end runs (until it is stopped, or a signal stops it)."""
+        if self._frontend is not None:
+            self._frontend.wait()
+
+    def run(self) -> None:
+        """Serve in the foreground until interrupted (Ctrl-C / SIGTERM)."""
+        self.start()
+        try:
+            self.wait()
+        finally:
+            self.stop()
+
     def stop(self) -> None:
-        self.uvicorn.should_exit = True
-        if self._thread is not None:
-            self._thread.join(10)
-        self.async_engine.shutdown()
+        """Fail what still runs, stop the engine loop (the front end then exits) and wait."""
+        self.engine_loop.shutdown()
+        if self._frontend is not None:
+            try:
+                self._frontend.wait(10)
+            except subprocess.TimeoutExpired:
+                self._frontend.terminate()
+                self._frontend.wait(5)
+        self._sock.close()
 
     def __enter__(self) -> Server:
         return self.start()
@@ -85,7 +124,7 @@ class Server:
 
 
 def startup_message(server: Server) -> str:
-    engine = server.async_engine.engine
+    engine = server.engine
     startup = format_startup(engine.startup_times, engine.runner.compile_model, bool(engine.runner.graphs))
     return (f"{format_plan(engine.plan)}\nstart-up {startup}\nserving {server.model_name!r} (max_model_len "
             f"{engine.scheduler.config.max_model_len}) at {server.url}/v1")

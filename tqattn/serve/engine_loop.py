@@ -1,0 +1,159 @@
+"""The engine side of the server: one thread owns the LLMEngine and steps it while there is work.
+
+The HTTP front end (:mod:`tqattn.serve.frontend`) runs in its own process, so that its per-token
+work — detokenizing, building events, writing sockets — never holds this process's GIL while the
+engine builds and launches a step. The two talk over two one-way pipes:
+
+* commands in (a reader thread queues them for the engine thread): ``("add", rid, prompt,
+  params)``, ``("abort", rid)``, and ``("ready",)`` once the front end listens;
+* one message out per engine step, and one per batch of commands taken while idle:
+  ``(updates, stats, step)`` with ``updates`` a list of ``(rid, kind, payload)`` — ``accepted``
+  (None), ``refused`` (the exception ``LLMEngine.add_request`` raised), ``tokens`` (the new token
+  ids), ``finished`` (the :class:`RequestOutput`), ``failed`` (a message) —, ``stats`` the
+  queue counts the front end admits by and reports, and ``step`` the step's (seconds, whether it
+  replayed a CUDA graph) or None.
+
+Every finished request's output goes out, aborted or not listened to, so that the front end's
+metrics count it. When the loop stops, the requests still running fail ("the server is shutting
+down") and the out pipe closes: the front end sees end-of-file and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Hashable
+
+from ..engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, events, commands):
+        self.engine = engine
+        self._events, self._commands = events, commands  # multiprocessing Connections
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self.ready = threading.Event()  # the front end said it listens
+        self._sent: dict[Hashable, int] = {}  # running requests: output tokens sent so far
+        self._stopping = False
+        self._closed = False
+        self.num_steps = 0
+        self.num_aborted = 0  # requests aborted while they ran or waited
+        self._thread = threading.Thread(target=self._run, name="tqattn-engine", daemon=True)
+        self._reader = threading.Thread(target=self._read, name="tqattn-engine-commands", daemon=True)
+
+    def start(self) -> None:
+        self._reader.start()
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._close()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                command = self._commands.recv()
+            except (EOFError, OSError):  # the front end has gone
+                return
+            if command[0] == "ready":
+                self.ready.set()
+                continue
+            self._queue.put(command)
+            self._wake.set()
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                updates = self._take_commands()
+                if not engine.has_unfinished_requests():
+                    if updates:
+                        self._send(updates, None)
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                try:
+                    t = time.perf_counter()
+                    outputs = engine.step()
+                    step = (time.perf_counter() - t, engine.runner.last_graph_bucket is not None)
+                except Exception as e:  # a bug, not the input: fail what runs, keep serving
+                    logger.exception("engine step failed; aborting the %d running requests", len(self._sent))
+                    self._send(updates + self._fail_all(f"the engine failed: {type(e).__name__}: {e}"), None)
+                    continue
+                self.num_steps += 1
+                for out in outputs:
+                    self._sent.pop(out.request_id, None)
+                    updates.append((out.request_id, "finished", out))
+                for rid, n in self._sent.items():
+                    new = engine.request_token_ids(rid, n)
+                    if new:
+                        self._sent[rid] = n + len(new)
+                        updates.append((rid, "tokens", new))
+                self._send(updates, step)
+            self._send(self._fail_all("the server is shutting down"), None)
+        finally:
+            self._close()
+
+    def _take_commands(self) -> list:
+        updates = []
+        while True:
+            try:
+                command = self._queue.get_nowait()
+            except queue.Empty:
+                return updates
+            if command[0] == "add":
+                _, rid, prompt, params = command
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except Exception as e:  # ValueError: what the client asked for; anything else: ours
+                    updates.append((rid, "refused", e))
+                else:
+                    self._sent[rid] = 0
+                    updates.append((rid, "accepted", None))
+            elif command[0] == "abort":
+                self._sent.pop(command[1], None)
+                self.num_aborted += self.engine.abort_request(command[1])
+
+    def _fail_all(self, message: str) -> list:
+        for rid in self._sent:
+            self.engine.abort_request(rid)
+        updates = [(rid, "failed", message) for rid in self._sent]
+        self._sent.clear()
+        return updates
+
+    def stats(self) -> dict:
+        engine = self.engine
+        sched = engine.scheduler
+        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
+                "kv_cache_usage": engine.block_manager.usage,
+                "num_preemptions": sched.stats.num_preemptions, "num_aborted": self.num_aborted,
+                "compilations": engine.compilation_counts()["total"]}
+
+    def _send(self, updates: list, step) -> None:
+        self.send((updates, self.stats(), step))
+
+    def send(self, message) -> None:
+        """To the front end (the engine thread's, once started)."""
+        if self._closed:
+            return
+        try:
+            self._events.send(message)
+        except (BrokenPipeError, EOFError, OSError):  # the front end has gone: nobody listens
+            pass
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._events.close()

@@ -171,9 +171,15 @@ def cmd_serve(args) -> int:
         raise OSError(f"could not serve on {args.host}:{args.port}: {e}") from None
     signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: abort requests, close the socket
     try:
-        server.start()
+        try:
+            server.start()
+        except RuntimeError as e:  # the front end failed to start: it logged why
+            raise OSError(f"could not serve on {args.host}:{args.port}: {e}") from None
         print(startup_message(server), flush=True)
-        server.wait()
+        code = server.wait()
+        # only a stop of ours ends the front end: anything else is a failure to report
+        print(f"tqattn: the HTTP front end exited (code {code}); stopping", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("tqattn: shutting down", file=sys.stderr)
     finally:

@@ -186,6 +186,41 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny_server):
     assert tiny_server.engine_loop.num_aborted == before + 3
 
 
+def _metric(server, name: str) -> float:
+    text = _post(server, "/metrics", None, method="GET")[2].decode()
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(f"tqattn:{name}{{")))
+
+
+def test_aborting_every_request_leaves_fresh_counts(small_cache_server):
+    """max_num_seqs=1, max_waiting_requests=1: one request running, one waiting, both clients
+    gone — the idle engine still reports the new counts, so /metrics is right and the next
+    request is admitted (a stale waiting count would refuse every request from then on)."""
+    aborted = _metric(small_cache_server, "request_aborted_total")
+    body = json.dumps({"prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}).encode()
+    conns = [http.client.HTTPConnection("127.0.0.1", small_cache_server.port, timeout=30) for _ in range(2)]
+    conns[0].request("POST", C, body=body, headers={"Content-Type": "application/json"})
+    first = conns[0].getresponse()
+    while not first.fp.readline().startswith(b"data: "):   # it runs
+        pass
+    conns[1].request("POST", C, body=body, headers={"Content-Type": "application/json"})
+    assert conns[1].getresponse().status == 200            # accepted: it waits behind the first
+    waiting = _metric(small_cache_server, "num_requests_waiting")
+    for c in conns[::-1]:
+        c.sock.shutdown(2)
+        c.close()
+    wait_idle(small_cache_server)
+    end = time.monotonic() + 5
+    while _metric(small_cache_server, "num_requests_running") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert _metric(small_cache_server, "num_requests_running") == 0
+    assert _metric(small_cache_server, "num_requests_waiting") == 0
+    assert _metric(small_cache_server, "kv_cache_usage_perc") == 0
+    assert _metric(small_cache_server, "request_aborted_total") == aborted + 2
+    status, _, out = _post(small_cache_server, C, {"prompt": "x", "max_tokens": 2})
+    assert status == 200, out
+    assert waiting == 1   # (read while both ran: the second request did wait)
+
+
 def test_back_pressure_503_with_retry_after(small_cache_server):
     # max_num_seqs=1, max_waiting_requests=1: at most one request waits (accepted, not yet
     # running); the rest get 503 at once, and every accepted one completes
@@ -302,3 +337,31 @@ def test_the_server_stops_when_its_front_end_dies(tiny_model_dir):
         t = time.monotonic()
         server.wait()  # returns: `tqattn serve` exits instead of serving nothing
         assert time.monotonic() - t < 5
+
+
+def test_a_frozen_front_end_is_killed_on_stop(tiny_model_dir):
+    """A front end that stops reading (SIGSTOP) while streams run: the engine may block on the
+    full pipe, stop() still returns in bounded time, kills it, and frees every block."""
+    import os
+    import signal
+
+    from tqattn.serve.server import Server
+
+    engine = make_engine(tiny_model_dir, max_num_seqs=8)
+    server = Server(engine, port=0, log_level="error").start()
+    body = json.dumps({"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
+    conns = []
+    for _ in range(4):
+        c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        c.request("POST", C, body=body, headers={"Content-Type": "application/json"})
+        conns.append(c)
+    assert all(c.getresponse().status == 200 for c in conns)
+    os.kill(server._frontend.pid, signal.SIGSTOP)
+    time.sleep(1.0)
+    t = time.monotonic()
+    server.stop(timeout=1.0)
+    assert time.monotonic() - t < 10
+    assert server._frontend.poll() is not None and not server.engine_loop.is_alive
+    assert engine.block_manager.usage == 0 and not engine.has_unfinished_requests()
+    for c in conns:
+        c.close()

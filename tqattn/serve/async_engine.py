@@ -139,10 +139,11 @@ class AsyncEngine:
         if waiting >= self.max_waiting_requests:
             self.metrics.num_rejected += 1
             raise QueueFull(waiting)
+        prompt = self._encoded(prompt)
         stream = RequestStream(self, request_id or uuid.uuid4().hex, params, loop)
+        self._send(("add", stream.request_id, prompt, params))
         self._streams[stream.request_id] = stream
         self._pending += 1
-        self._send(("add", stream.request_id, self._encoded(prompt), params))
         try:
             await stream.accepted
         except asyncio.CancelledError:  # the client left before the engine took the request
@@ -163,14 +164,18 @@ class AsyncEngine:
 
     def abort(self, request_id: Hashable) -> None:
         self._streams.pop(request_id, None)
-        self._send(("abort", request_id))
+        try:
+            self._send(("abort", request_id))
+        except EngineError:  # nothing runs any more
+            pass
 
     def _send(self, command: tuple) -> None:
         try:
             with self._send_lock:
                 self._commands.send(command)
-        except (BrokenPipeError, EOFError, OSError):  # the engine's process side has gone
+        except (BrokenPipeError, EOFError, OSError):  # the engine's side has gone
             self._closed = True
+            raise EngineError("the engine loop is not running") from None
 
     # ---- reader thread -----------------------------------------------------------------------------
 
@@ -180,6 +185,9 @@ class AsyncEngine:
                 message = self._events.recv()
             except (EOFError, OSError):
                 break
+            except Exception:  # a message we cannot read: a bug on the other side
+                logger.exception("unreadable message from the engine loop")
+                continue
             loop = self._loop
             if loop is None:  # no request yet: only the counts matter
                 self._counts(message[1])
@@ -222,21 +230,32 @@ class AsyncEngine:
             stream = streams.get(rid)
             if stream is None or stream.finished:  # aborted by its reader meanwhile
                 continue
-            if kind == "tokens":
-                piece = stream.incremental.add_tokens(x)
-                if piece is not None:
-                    stream.put(piece)
-            elif kind == "finished":
-                del streams[rid]
-                stream.put(stream.incremental.finish(x))
-            elif kind == "accepted":
-                stream._accept(None)
-            elif kind == "refused":
-                del streams[rid]
-                stream._accept(x)
-            else:  # failed
-                del streams[rid]
-                stream.put(EngineError(x))
+            try:
+                self._update(stream, kind, x)
+            except Exception as e:  # e.g. the tokenizer: this request fails, the others go on
+                logger.exception("request %r: its output could not be built", rid)
+                self.abort(rid)  # the engine frees it; the reader still gets the error
+                stream._accept(EngineError(f"internal error: {type(e).__name__}: {e}"))
+                stream.put(EngineError(f"internal error: {type(e).__name__}: {e}"))
+
+    def _update(self, stream: RequestStream, kind: str, x) -> None:
+        if kind == "tokens":
+            piece = stream.incremental.add_tokens(x)
+            if piece is not None:
+                stream.put(piece)
+        elif kind == "finished":
+            del self._streams[stream.request_id]
+            stream.put(stream.incremental.finish(x))
+        elif kind == "accepted":
+            stream._accept(None)
+        elif kind == "refused":
+            del self._streams[stream.request_id]
+            message, client_error = x
+            stream._accept(ValueError(message) if client_error else
+                           RuntimeError(f"the engine could not add the request: {message}"))
+        else:  # failed
+            del self._streams[stream.request_id]
+            stream.put(EngineError(x))
 
     def _fail_all(self, message: str) -> None:
         streams, self._streams = self._streams, {}

@@ -8,14 +8,15 @@ engine builds and launches a step. The two talk over two one-way pipes:
   params)``, ``("abort", rid)``, and ``("ready",)`` once the front end listens;
 * one message out per engine step, and one per batch of commands taken while idle:
   ``(updates, stats, step)`` with ``updates`` a list of ``(rid, kind, payload)`` — ``accepted``
-  (None), ``refused`` (the exception ``LLMEngine.add_request`` raised), ``tokens`` (the new token
-  ids), ``finished`` (the :class:`RequestOutput`), ``failed`` (a message) —, ``stats`` the
-  queue counts the front end admits by and reports, and ``step`` the step's (seconds, whether it
-  replayed a CUDA graph) or None.
+  (None), ``refused`` ((message, whether it is the client's error: a ValueError)), ``tokens``
+  (the new token ids), ``finished`` (the :class:`RequestOutput`), ``failed`` (a message) —,
+  ``stats`` the counts the front end admits by and reports, and ``step`` the step's (seconds,
+  whether it replayed a CUDA graph) or None.
 
 Every finished request's output goes out, aborted or not listened to, so that the front end's
 metrics count it. When the loop stops, the requests still running fail ("the server is shutting
-down") and the out pipe closes: the front end sees end-of-file and exits.
+down") and the out pipe closes: the front end sees end-of-file and exits. When the front end's
+pipe ends (it exited or was killed), the loop aborts what runs and stops.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ class EngineLoop:
         self.ready = threading.Event()  # the front end said it listens
         self._sent: dict[Hashable, int] = {}  # running requests: output tokens sent so far
         self._stopping = False
-        self._closed = False
         self.num_steps = 0
         self.num_aborted = 0  # requests aborted while they ran or waited
         self._thread = threading.Thread(target=self._run, name="tqattn-engine", daemon=True)
@@ -50,12 +50,22 @@ class EngineLoop:
         self._reader.start()
         self._thread.start()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stop stepping (what runs fails), close the out pipe; False if the engine thread is
+        still inside a step or a send after ``timeout`` (the pipe then stays open)."""
         self._stopping = True
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._close()
+        if self._thread.is_alive():
+            return False
+        self._events.close()
+        return True
+
+    def close(self) -> None:
+        """Release the pipes (after shutdown)."""
+        self._events.close()
+        self._commands.close()
 
     @property
     def is_alive(self) -> bool:
@@ -65,8 +75,13 @@ class EngineLoop:
         while True:
             try:
                 command = self._commands.recv()
-            except (EOFError, OSError):  # the front end has gone
+            except (EOFError, OSError):  # the front end has gone: nobody can reach us any more
+                self._queue.put(("gone",))
+                self._wake.set()
                 return
+            except Exception:  # a message we cannot read: a bug on the other side
+                logger.exception("unreadable command from the front end")
+                continue
             if command[0] == "ready":
                 self.ready.set()
                 continue
@@ -77,10 +92,12 @@ class EngineLoop:
         engine = self.engine
         try:
             while not self._stopping:
-                updates = self._take_commands()
+                updates, took = self._take_commands()
                 if not engine.has_unfinished_requests():
-                    if updates:
+                    if took:  # accepted / refused requests, or counts that aborts changed
                         self._send(updates, None)
+                    if self._stopping:
+                        break
                     self._wake.wait()
                     self._wake.clear()
                     continue
@@ -103,28 +120,36 @@ class EngineLoop:
                         updates.append((rid, "tokens", new))
                 self._send(updates, step)
             self._send(self._fail_all("the server is shutting down"), None)
-        finally:
-            self._close()
+        except Exception:
+            logger.exception("the engine loop stopped")
+            self._fail_all("the engine loop stopped")
 
-    def _take_commands(self) -> list:
-        updates = []
+    def _take_commands(self) -> tuple[list, bool]:
+        updates, took = [], False
         while True:
             try:
                 command = self._queue.get_nowait()
             except queue.Empty:
-                return updates
+                return updates, took
+            took = True
             if command[0] == "add":
                 _, rid, prompt, params = command
                 try:
                     self.engine.add_request(rid, prompt, params)
                 except Exception as e:  # ValueError: what the client asked for; anything else: ours
-                    updates.append((rid, "refused", e))
+                    if not isinstance(e, ValueError):
+                        logger.exception("adding request %r failed", rid)
+                    updates.append((rid, "refused", (str(e), isinstance(e, ValueError))))
                 else:
                     self._sent[rid] = 0
                     updates.append((rid, "accepted", None))
             elif command[0] == "abort":
                 self._sent.pop(command[1], None)
                 self.num_aborted += self.engine.abort_request(command[1])
+            elif command[0] == "gone":
+                self._stopping = True
+                self.num_aborted += len(self._sent)
+                self._fail_all("the front end has gone")
 
     def _fail_all(self, message: str) -> list:
         for rid in self._sent:
@@ -139,21 +164,15 @@ class EngineLoop:
         return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_cache_usage": engine.block_manager.usage,
                 "num_preemptions": sched.stats.num_preemptions, "num_aborted": self.num_aborted,
-                "compilations": engine.compilation_counts()["total"]}
+                "compilations": engine.num_compilations()}
 
     def _send(self, updates: list, step) -> None:
         self.send((updates, self.stats(), step))
 
     def send(self, message) -> None:
-        """To the front end (the engine thread's, once started)."""
-        if self._closed:
-            return
+        """To the front end (from the engine thread once started). A front end that has gone
+        (or a closed pipe) drops it."""
         try:
             self._events.send(message)
-        except (BrokenPipeError, EOFError, OSError):  # the front end has gone: nobody listens
+        except (BrokenPipeError, EOFError, OSError):
             pass
-
-    def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._events.close()

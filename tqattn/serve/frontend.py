@@ -62,7 +62,10 @@ def _say_ready(server, engine) -> None:
     while not server.started and not server.should_exit:
         time.sleep(0.01)
     if server.started:
-        engine._send(("ready",))
+        try:
+            engine._send(("ready",))
+        except Exception:  # the server went away meanwhile: on_closed stops uvicorn
+            pass
 
 
 def main(argv: list[str]) -> None:

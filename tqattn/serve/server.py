@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -63,6 +64,7 @@ class Server:
                                       request_timeout, log_level)
         self._child_fds = (self._sock.fileno(), commands_w, events_r)
         self._frontend: subprocess.Popen | None = None
+        self._stopped = False
 
     @property
     def url(self) -> str:
@@ -74,12 +76,18 @@ class Server:
         env = dict(os.environ)  # the child imports this tqattn, wherever it was imported from
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])]
                                             + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        self._frontend = subprocess.Popen(
-            [sys.executable, "-m", "tqattn.serve.frontend", *map(str, self._child_fds)],
-            pass_fds=self._child_fds, env=env)
-        for fd in self._child_fds[1:]:  # the child has its own: end-of-file reaches us if it dies
-            os.close(fd)
-        self.engine_loop.send(self._config)  # its first message
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the front end never touches a GPU
+        try:
+            # -P: nothing from the working directory shadows a module; a session of its own:
+            # Ctrl-C reaches only this process, which stops the front end in order
+            self._frontend = subprocess.Popen(
+                [sys.executable, "-P", "-m", "tqattn.serve.frontend", *map(str, self._child_fds)],
+                pass_fds=self._child_fds, env=env, start_new_session=True)
+        finally:
+            for fd in self._child_fds[1:]:  # the child has its own: end-of-file reaches us if it dies
+                os.close(fd)
+        # its first message (a pipe holds 64 KiB: the tokenizer waits there until the child reads)
+        threading.Thread(target=self.engine_loop.send, args=(self._config,), daemon=True).start()
         self.engine_loop.start()
         deadline = time.monotonic() + timeout
         while not self.engine_loop.ready.wait(0.05):
@@ -92,10 +100,10 @@ class Server:
         self._sock.close()  # the front end holds its own copy
         return self
 
-    def wait(self) -> None:
-        """Block while the front end runs (until it is stopped, or a signal stops it)."""
-        if self._frontend is not None:
-            self._frontend.wait()
+    def wait(self) -> int | None:
+        """Block while the front end runs (until the server is stopped, or the front end exits
+        on its own); its exit code."""
+        return None if self._frontend is None else self._frontend.wait()
 
     def run(self) -> None:
         """Serve in the foreground until interrupted (Ctrl-C / SIGTERM)."""
@@ -105,16 +113,31 @@ class Server:
         finally:
             self.stop()
 
-    def stop(self) -> None:
-        """Fail what still runs, stop the engine loop (the front end then exits) and wait."""
-        self.engine_loop.shutdown()
-        if self._frontend is not None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Fail what still runs, stop the engine loop (the front end then exits) and wait for
+        both, each up to ``timeout`` seconds; a front end that does not exit in time is killed."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if not self.engine_loop.shutdown(timeout):  # blocked writing to a front end that does not read
+            self._kill_frontend()
+            self.engine_loop.shutdown(timeout)
+        if self._frontend is None:
+            for fd in self._child_fds[1:]:
+                os.close(fd)
+        else:
             try:
-                self._frontend.wait(10)
+                self._frontend.wait(timeout)
             except subprocess.TimeoutExpired:
-                self._frontend.terminate()
-                self._frontend.wait(5)
+                self._kill_frontend()
+        self.engine_loop.close()
         self._sock.close()
+
+    def _kill_frontend(self) -> None:
+        if self._frontend is not None and self._frontend.poll() is None:
+            logger.warning("the HTTP front end did not stop; killing it")
+            self._frontend.kill()
+            self._frontend.wait()
 
     def __enter__(self) -> Server:
         return self.start()

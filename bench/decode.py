@@ -4,7 +4,8 @@ Everything runs in one process on the same q and K/V (the anchor's synthetic dat
 N(0,1) bf16, 4 fixed key channels ×8 per KV head, random block table), timed by
 ``bench.common.Timer`` (CUDA-graph replay, L2 flushed, median). Reports µs, KV bytes read,
 effective GB/s and % of the device-to-device copy rate measured in the same run, the time
-ratio vs FA3 bf16, the store kernel per decode step, and the output cosine vs bf16 SDPA. FA3 fp8
+ratio vs FA3 bf16, the store kernel per decode step, and the output cosine vs bf16 SDPA (and, on
+the first REF_ROWS sequences, its difference from the PyTorch reference's cosine). FA3 fp8
 (bench/fa3.py): the same K/V and q in e4m3 with per-tensor descales, as vLLM's FA3 fp8 path;
 q's quantization is done before the timing. Without FA3 its rows are skipped (a printed note).
 
@@ -31,7 +32,7 @@ from tqattn.kernels import step  # noqa: E402
 from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
 from tqattn.kernels.store import store_kv_triton  # noqa: E402
 from tqattn.quant.codec import TQCodec  # noqa: E402
-from tqattn.quant.paged import kv_cache_shape  # noqa: E402
+from tqattn.quant.paged import decode_attention_ref, kv_cache_shape  # noqa: E402
 
 VLLM = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"]
 OURS = ["tq_k4v4", "tq_k3.5v3.5", "tq_k3v3", "tq_k3o4v3.5"]
@@ -84,6 +85,19 @@ def main_shape_case(preset: str, b: int, l: int):
     cache = fill_cache(codec, k, v, 8)
     lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
     return codec, q, cache, bt, lens
+
+
+# sequences whose output the PyTorch reference also computes (it decodes whole caches in fp32)
+REF_ROWS = 4
+
+
+def ref_cosines(codec, q, cache, bt, seq_lens, out, ref) -> dict:
+    """The kernel's and the PyTorch reference's whole-output cosines vs bf16 on the first
+    REF_ROWS sequences, and their difference (issue 25: within ±0.002 at every shape)."""
+    n = min(q.shape[0], REF_ROWS)
+    ref_out = decode_attention_ref(codec, q[:n], cache, bt[:n], seq_lens[:n])
+    sub, want = cosines(out[:n], ref[:n])[0], cosines(ref_out, ref[:n])[0]
+    return {"cos_sub": sub, "cos_ref_sub": want, "dcos_ref": sub - want}
 
 
 def cosines(out, ref):
@@ -177,7 +191,8 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=()):
         row = {**base, "method": name, "slot_bytes": codec.slot_bytes,
                "bits_per_elem": codec.layout.bits_per_element,
                "kv_bytes": b * l * hk * codec.slot_bytes, "cos": cs[0], "cos_worst": cs[1],
-               "finite": finite, "kernel": step.plan_decode_store(codec, q, cache)}
+               "finite": finite, "kernel": step.plan_decode_store(codec, q, cache),
+               **ref_cosines(codec, q, cache, bt, seq_lens, out, ref)}
         if name in presets:
             r = timed_all(timers, lambda: decode_attention_triton(codec, q, cache, bt, seq_lens,
                                                                   out=out))
@@ -187,7 +202,7 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=()):
             gbs = row["kv_bytes"] / r["us"] / 1e3
             print(f"  B={b} L={l} D={d} {name:<20} {r['us']:.1f}us "
                   f"x_fa3={row.get('x_fa3', 0):.3f} {gbs:.0f}GB/s {100 * gbs / copy_gbs:.0f}% "
-                  f"cos={cs[0]:.4f} ({cs[1]:.3f})", flush=True)
+                  f"cos={cs[0]:.4f} ({cs[1]:.3f}) vs ref {row['dcos_ref']:+.4f}", flush=True)
             row.update(_store_times(timers[0], codec, q, cache, bt, seq_lens, out))
         rows.append(row)
         del cache, out
@@ -210,7 +225,7 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=()):
 
 def fmt_table(rows, methods, alt_modes=()):
     head = ("| Hq/Hk/D | B | L | method | bits/elem | µs | x FA3 | KV MB | GB/s | % copy | "
-            "store µs: alone / in step (% of attn) | cos (worst) |"
+            "store µs: alone / in step (% of attn) | cos (worst), Δ vs reference |"
             + "".join(f" µs, {m} flush (x FA3, % copy) |" for m in alt_modes))
     out = [head, "|" + "---|" * (12 + len(alt_modes))]
     fa3 = {(r["hq"], r["d"], r["batch"], r["ctx"]): r for r in rows
@@ -229,9 +244,16 @@ def fmt_table(rows, methods, alt_modes=()):
                            r["us"], f"{r['x_fa3']:.2f}" if "x_fa3" in r else "",
                            r["kv_bytes"] / 1e6, r["gbs"], r["pct_copy"],
                            _store_cell(r),
-                           f"{r['cos']:.4f} ({r['cos_worst']:.3f})" if "cos" in r else "")
+                           _cos_cell(r))
                    + alt)
     return "\n".join(out)
+
+
+def _cos_cell(r):
+    if "cos" not in r:
+        return ""
+    cell = f"{r['cos']:.4f} ({r['cos_worst']:.3f})"
+    return cell + (f" Δref {r['dcos_ref']:+.4f}" if "dcos_ref" in r else "")
 
 
 def _store_cell(r):

@@ -147,6 +147,8 @@ def test_the_engine_thread_hands_the_loop_one_batch_per_step(tiny_model_dir):
         results, num_calls = asyncio.run(main())
     finally:
         engine_loop.shutdown()
+        commands_out.close()
+        engine_loop.close()
     for tokens, final in results:
         assert len(tokens) == 12 and tokens == final
     assert num_calls <= 8 + engine_loop.num_steps < 8 * 12, (num_calls, engine_loop.num_steps)

@@ -60,6 +60,8 @@ class EngineLoop:
         if self._thread.is_alive():
             return False
         self._events.close()
+        if self._reader.is_alive():
+            self._reader.join(1.0)
         return True
 
     def close(self) -> None:
@@ -72,8 +74,12 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def _read(self) -> None:
-        while True:
+        # polls, so that it ends with the loop: a thread left blocked in a read when the
+        # interpreter exits can abort the process (std::terminate during its teardown)
+        while not self._stopping:
             try:
+                if not self._commands.poll(0.2):
+                    continue
                 command = self._commands.recv()
             except (EOFError, OSError):  # the front end has gone: nobody can reach us any more
                 self._queue.put(("gone",))

@@ -153,10 +153,10 @@ def _generate_stream(args, llm, params, token_prompts, chat: bool) -> int:
 
 def cmd_serve(args) -> int:
     from .engine.arg_utils import engine_kwargs_from_args
-    from .serve.server import _uvicorn
+    from .serve.frontend import uvicorn_module
 
     engine_kwargs = engine_kwargs_from_args(args)  # checked before the model loads
-    _uvicorn()  # the extra is installed
+    uvicorn_module()  # the extra is installed
     if args.request_timeout is not None and args.request_timeout <= 0:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     _progress_bars(sys.stderr.isatty())

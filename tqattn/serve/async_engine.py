@@ -113,7 +113,7 @@ class AsyncEngine:
         self._closed = False  # the engine's pipe ended
         self.on_closed: Callable[[], None] | None = None  # called from the reader thread
         # the engine's counts, from its last message
-        self.num_running = self.num_waiting = self.num_aborted = self.compilations = 0
+        self.num_running = self.num_waiting = self.compilations = 0
         self.kv_cache_usage = 0.0
         self.num_steps = 0
 
@@ -210,7 +210,6 @@ class AsyncEngine:
     def _counts(self, stats: dict) -> None:
         self.num_running, self.num_waiting = stats["num_running"], stats["num_waiting"]
         self.kv_cache_usage, self.compilations = stats["kv_cache_usage"], stats["compilations"]
-        self.num_aborted = stats["num_aborted"]
         self.metrics.num_aborted, self.metrics.num_preemptions = stats["num_aborted"], stats["num_preemptions"]
 
     def _receive(self, message) -> None:
@@ -235,8 +234,9 @@ class AsyncEngine:
             except Exception as e:  # e.g. the tokenizer: this request fails, the others go on
                 logger.exception("request %r: its output could not be built", rid)
                 self.abort(rid)  # the engine frees it; the reader still gets the error
-                stream._accept(EngineError(f"internal error: {type(e).__name__}: {e}"))
-                stream.put(EngineError(f"internal error: {type(e).__name__}: {e}"))
+                error = EngineError(f"internal error: {type(e).__name__}: {e}")
+                stream._accept(error)
+                stream.put(error)
 
     def _update(self, stream: RequestStream, kind: str, x) -> None:
         if kind == "tokens":

@@ -20,10 +20,6 @@ from .frontend import FrontendConfig, uvicorn_module
 logger = logging.getLogger("tqattn.serve")
 
 
-def _uvicorn():
-    return uvicorn_module()
-
-
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -45,7 +41,7 @@ class Server:
     def __init__(self, engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, max_waiting_requests: int = 256,
                  request_timeout: float | None = None, log_level: str = "info"):
-        _uvicorn()
+        uvicorn_module()
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
         if not isinstance(max_waiting_requests, int) or max_waiting_requests < 1:

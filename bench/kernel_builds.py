@@ -212,10 +212,19 @@ def _cases():
         "mma_tq_k4v3_b32": decode("tq_k4v3"), "mma_tq_k4v3_b128": decode("tq_k4v3", b=128, l=4096),
         "mma_tq_k4v3_b8_gqa8": decode("tq_k4v3", b=8, hq=64),
         "mma_tq_k4v3_lse": decode("tq_k4v3", return_lse=True),
+        # 3-bit keys in the column-major values' token order, 3-bit uniform values
+        "mma_3bit_nc_b32": decode("turboquant_3bit_nc"),
+        "mma_3bit_nc_b128": decode("turboquant_3bit_nc", b=128, l=4096),
+        "mma_3bit_nc_b8_gqa8": decode("turboquant_3bit_nc", b=8, hq=64),
+        "mma_tq_k3v3_b32": decode("tq_k3v3"),
+        # fp8 row keys (unrotated), 4-bit uniform values
+        "mma_k8v4_b32": decode("turboquant_k8v4"),
+        "mma_k8v4_b128": decode("turboquant_k8v4", b=128, l=4096),
+        "mma_k8v4_b8_gqa8": decode("turboquant_k8v4", b=8, hq=64),
         # portable kernel (+ merge): k3v4_nc off the tensor-core path, other presets
         "portable_k3v4_nc_rows": rows(k3), "portable_k3v4_nc_d64": decode(k3, d=64),
         "portable_k3v4_nc_window": decode(k3, window=1024, softcap=30.0),
-        "portable_tq_k4v3": rows("tq_k4v3"), "portable_turboquant_k8v4": decode(
+        "portable_tq_k4v3": rows("tq_k4v3"), "portable_turboquant_k8v4": rows(
             "turboquant_k8v4"), "portable_tq_k3o4v3.5": decode("tq_k3o4v3.5"),
         "portable_tq_k3.5v3.5": decode("tq_k3.5v3.5"), "portable_turboquant_4bit_nc": decode(
             "turboquant_4bit_nc"), "portable_tq_k4v3_new_kv": decode("tq_k4v3", new_kv=True),

@@ -152,10 +152,14 @@ def test_mma_dispatch_plumbing(monkeypatch):
     decode.decode_attention_triton(other, q, c2, bt2, lens2, new_kv=(k, v, slots))
     assert len(calls) == n + 1 and len(stores) == 2 and calls[-1][12] is None
     assert calls[-1][0].mma.keys == 1 and calls[-1][0].mma.vals == 1
-    for name in ("turboquant_k8v4", "tq_k3v3", "turboquant_3bit_nc"):   # no tensor-core format
-        assert not _spec_mma(name)
-    fmt = _spec_mma("turboquant_4bit_nc")   # 4-bit keys with uniform values: stored first
-    assert (fmt.keys, fmt.vals, fmt.store) == (1, 0, False)
+    for name, want in (("turboquant_4bit_nc", (1, 0)), ("turboquant_3bit_nc", (0, 2)),
+                       ("tq_k3v3", (0, 1)), ("turboquant_k8v4", (2, 0))):   # stored first
+        fmt = _spec_mma(name)
+        assert (fmt.keys, fmt.vals, fmt.store) == (*want, False), name
+    c3 = TQCodec("turboquant_3bit_nc", 128)
+    c3c, bt3, lens3 = filled_cache(c3, [40, 9], 2, 16)
+    decode.decode_attention_triton(c3, q, c3c, bt3, lens3, new_kv=(k, v, slots))
+    assert len(calls) == n + 2 and len(stores) == 3 and calls[-1][12] is None
 
 
 def test_mma_fused_query_rotation():
@@ -179,3 +183,16 @@ def test_mma_fused_query_rotation():
     assert _spec.mma_layout(spec) and not _spec.mma_layout(haar)
     assert not _spec.kernel_spec(TQCodec("tq_k3o4v3.5", 128), 16).mma
     assert not _spec.kernel_spec(TQCodec("turboquant_k3v4_nc", 64), 16).mma
+
+
+def test_fp8_key_tensor_core_path_needs_sm89(monkeypatch):
+    """The e4m3 → fp16 conversion exists from sm_89: turboquant_k8v4 stays on the portable
+    kernel on sm_80/86, the other tensor-core formats do not."""
+    from tqattn.kernels import _spec, step
+    monkeypatch.setattr(step, "tensor_cores", lambda device: True)
+    q = torch.zeros(1, 8, 128)
+    specs = {n: _spec.kernel_spec(TQCodec(n, 128), 16) for n in ("turboquant_k8v4", "tq_k4v3")}
+    for cap, want in (((8, 6), {"turboquant_k8v4": False, "tq_k4v3": True}),
+                      ((9, 0), {"turboquant_k8v4": True, "tq_k4v3": True})):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cap=cap: cap)
+        assert {n: step.tensor_core_decode(s, q, 1, True) for n, s in specs.items()} == want, cap

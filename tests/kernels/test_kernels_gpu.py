@@ -135,11 +135,16 @@ def test_decode_without_asm_gpu(name, monkeypatch, portable):
     _decode_case(name, 128, 8, 4, 16, [1, 700, 4100, 2000])
 
 
-@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "turboquant_4bit_nc"])
+MMA_PRESETS = ["turboquant_k3v4_nc", "tq_k4v3", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq_k3v3",
+               "turboquant_k8v4"]
+
+
+@pytest.mark.parametrize("name", MMA_PRESETS)
 def test_decode_mma_path_gpu(name, monkeypatch):
     """Head size 128 runs the Gluon tensor-core kernel (kernels/decode_mma.py) for its formats
     (3-bit keys + uniform 4-bit values, storing new tokens itself; 4-bit keys + rotated 3-bit
-    values, and 4-bit keys + uniform 4-bit values, after the store kernel): page sizes, GQA 7
+    values, 4-bit keys + uniform 4-bit values, 3-bit keys + uniform or rotated 3-bit
+    column-major values, fp8 keys + uniform 4-bit values, after the store kernel): page sizes, GQA 7
     and 3, sequences of 0 tokens and of fewer tiles than splits, several split counts (ranges
     by program age, positions by arrival); the last split of each group merges and resets its
     counter. The portable
@@ -149,7 +154,9 @@ def test_decode_mma_path_gpu(name, monkeypatch):
     from tqattn.kernels._spec import kernel_spec
     q = torch.zeros(1, 8, 128, device=DEV)
     spec = kernel_spec(_codec(name, 128), 16)
-    assert step.tensor_core_decode(spec, q, 1, True) and not step.tensor_core_decode(spec, q, 1, False)
+    fp8_ok = torch.cuda.get_device_capability() >= (8, 9)   # cvt from e4m3: sm_89+
+    assert step.tensor_core_decode(spec, q, 1, True) == (spec.mma.keys != 2 or fp8_ok)
+    assert not step.tensor_core_decode(spec, q, 1, False)
     want = step.DECODE_KERNEL if name == "turboquant_k3v4_nc" else step.STORE_KERNEL
     assert step.decode_kernel_store(spec, q, 1, True) == want
     assert step.decode_kernel_store(spec, q, 1, False) == step.STORE_KERNEL
@@ -167,7 +174,7 @@ def test_decode_mma_path_gpu(name, monkeypatch):
     _decode_case(name, 128, 8, 4, 16, [1, 700, 4100, 2000])
 
 
-@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "turboquant_4bit_nc"])
+@pytest.mark.parametrize("name", MMA_PRESETS)
 @pytest.mark.parametrize("bs", [16, 64])
 def test_decode_mma_splits_gpu(name, bs, monkeypatch):
     """The tensor-core kernel (its own query rotation): splits of one partial tile, of full
@@ -290,8 +297,7 @@ def test_decode_fused_store_gpu(bs):
         codec, q, b, bt, seq_lens, out=out, **fused), q, k, v, a, slots, check_replay)
 
 
-@pytest.mark.parametrize("name", ["turboquant_k8v4", "turboquant_k3v4_nc", "tq_k4v3",
-                                  "turboquant_4bit_nc"])
+@pytest.mark.parametrize("name", MMA_PRESETS)
 def test_decode_long_split_gpu(name, monkeypatch):
     """One split over 32K tokens: the accumulator sums 32K products, where a cancelling
     offset in it (an earlier value trick) lost the output to the tensor cores' truncating

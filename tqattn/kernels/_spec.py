@@ -185,26 +185,37 @@ def kernel_spec(codec: TQCodec, block_size: int) -> KernelSpec:
 class MmaFormat:
     """How the tensor-core decode kernel (kernels/decode_mma.py) reads a layout."""
     keys: int     # 0: 3-bit centroid keys, column-major planes; 1: 4-bit codes of a symmetric
-                  # codebook in token rows
-    vals: int     # 0: 4-bit uniform values in token rows; 1: 3-bit rotated values, column-major
-                  # (the values' format fixes the score rows' token order)
+                  # codebook in token rows; 2: fp8 (e4m3) keys in token rows, unrotated
+    vals: int     # 0: 4-bit uniform values in token rows; 1: 3-bit rotated values, column-major;
+                  # 2: 3-bit uniform values, column-major
     store: bool   # the kernel encodes a decode step's new token itself (keys 0 with values 0)
+
+    @property
+    def token_map(self) -> int:
+        """The score rows' token order, which the values' format fixes: 0 for row token
+        values, 1 for column-major ones (kernels/decode_mma.py, MAP)."""
+        return int(self.vals != 0)
 
 
 def mma_layout(spec: KernelSpec) -> MmaFormat | None:
     """How the tensor-core kernel reads this layout, or None where it cannot: head size 128,
     one key and one value field, no outliers, stored norms plain or "nc"-folded, a rotation
-    diag(s)·H/√128 (every head size 128 rotation of quant/rotation.py), and one of the format
-    pairs its token orders serve — (3-bit keys, 4-bit uniform values): ``turboquant_k3v4_nc``;
-    (4-bit keys, 3-bit rotated values): ``tq_k4v3``; (4-bit keys, 4-bit uniform values):
-    ``turboquant_4bit_nc``. (3-bit column-major keys load in one token order only, the uniform
-    values'.)"""
+    diag(s)·H/√128 where keys or values are rotated (every head size 128 rotation of
+    quant/rotation.py), keys of 3-bit centroid
+    codes in column-major planes or 4-bit codes of a symmetric codebook in token rows, values
+    4-bit uniform in token rows, or 3-bit (rotated or uniform) in column-major planes —
+    ``turboquant_k3v4_nc``, ``turboquant_4bit_nc``, ``turboquant_3bit_nc``, ``tq_k4v3`` — and
+    fp8 keys (unrotated, no rotation needed) with 4-bit uniform values: ``turboquant_k8v4``."""
     m, kf, vf = spec.layout, spec.key_fields, spec.value_fields
-    if (m.d != 128 or len(kf) != 1 or len(vf) != 1 or m.k_fp8 or m.k_nout
-            or not is_signed_hadamard(spec.codec.rotation.float().cpu())):
+    if m.d != 128 or len(kf) != 1 or len(vf) != 1 or m.k_nout:
         return None
     k, v = kf[0], vf[0]
-    if k.cm and k.lut >= 0 and k.g == 16 and k.bits == 3 and m.k_corr == 1:
+    hadamard = is_signed_hadamard(spec.codec.rotation.float().cpu())
+    if m.k_fp8 and not k.cm and k.g == 128:
+        keys = 2
+    elif not hadamard or m.k_fp8:
+        return None
+    elif k.cm and k.lut >= 0 and k.g == 16 and k.bits == 3 and m.k_corr == 1:
         keys = 0
     elif (not k.cm and k.lut >= 0 and k.bits == 4 and k.w == 1 and k.g == 64
           and m.k_corr in (0, 1) and _symmetric(spec.table[k.lut:k.lut + 16])):
@@ -213,13 +224,16 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
         return None
     if not m.v_tq and v.bits == 4 and v.w == 1 and v.g == 64 and m.v_levels == 15:
         vals = 0
-    elif m.v_tq and v.cm and v.bits == 3 and v.g == 16 and v.lut >= 0 and m.v_corr in (0, 1):
+    elif (m.v_tq and v.cm and v.bits == 3 and v.g == 16 and v.lut >= 0 and m.v_corr in (0, 1)
+          and hadamard):
         vals = 1
+    elif not m.v_tq and v.cm and v.bits == 3 and v.g == 16 and m.v_levels == 7:
+        vals = 2
     else:
         return None
-    if keys == 0 and vals == 1:
+    if keys == 2 and vals != 0:  # fp8 keys load in the row values' token order only
         return None
-    return MmaFormat(keys, vals, store=keys == 0 and m.pad_n == 0)
+    return MmaFormat(keys, vals, store=keys == 0 and vals == 0 and m.pad_n == 0)
 
 
 def _symmetric(centroids: torch.Tensor) -> bool:

@@ -2,12 +2,13 @@
 
 The tensor-core path of :func:`tqattn.kernels.decode.decode_attention_triton` for the layouts of
 :func:`tqattn.kernels._spec.mma_layout`, head size 128, GQA groups of up to 8 query heads, one
-query row per sequence, no window / soft-cap, in three formats (constexprs KEYS, VALS):
+query row per sequence, no window / soft-cap, in these formats (constexprs KEYS, VALS; MAP,
+the score rows' token order, follows from VALS):
 
 * KEYS = VALS = 0, ``turboquant_k3v4_nc``: 3-bit centroid keys in column-major planes, 4-bit
   uniform values in token rows (the description below);
 * KEYS = 1, VALS = 0, ``turboquant_4bit_nc``: the 4-bit row keys below with the first format's
-  uniform values; the values fix the score rows' token order (MAP = VALS), so a lane loads the
+  uniform values; the values fix the score rows' token order (MAP 0), so a lane loads the
   key rows of its tokens 8g + j;
 * KEYS = VALS = 1, ``tq_k4v3``: 4-bit keys of a symmetric codebook in token rows (a lane reads
   16 row bytes of each of its 8 tokens, :data:`_asm.LUT4_ROWS` turns a byte into its coordinate
@@ -16,6 +17,16 @@ query row per sequence, no window / soft-cap, in three formats (constexprs KEYS,
   Walsh–Hadamard transform of the output rows); score row ρ is token 16·(g // 2) + 2·(ρ // 8) +
   g % 2 with g = ρ % 8 (the values' pairs of consecutive tokens fix it). The store kernel writes
   a step's new token first.
+* KEYS = 0, VALS = 2, ``turboquant_3bit_nc``: the first format's keys in the third's token
+  order (MAP 1: a lane loads its key words of tokens 8g.. as in the first format and trades the
+  tokens of the other parity with lane ^ 4, :func:`_parity_word`), 3-bit uniform values in
+  column-major planes read as the third format's (the codes 0..7 as their table, scale and zero
+  point per token as in the first format). The store kernel writes a step's new token first.
+  The same keys with the third format's rotated values (KEYS = 0, VALS = 1) serve ``tq_k3v3``.
+* KEYS = 2, VALS = 0, ``turboquant_k8v4``: fp8 (e4m3) keys in token rows, unrotated and without
+  a norm (a lane reads 32 row bytes of each of its 8 tokens, converted by ``cvt.f16x2.e4m3x2``;
+  the operand columns are the 4-bit keys' σ, the query is not rotated; sm_89+), the first
+  format's uniform values. The store kernel writes a step's new token first.
 
 Math = :func:`tqattn.quant.paged.decode_attention_ref` (its twin; the inline asm does not run
 under triton's interpreter, so the comparison runs on the GPU: ``pytest -m gpu``; the index
@@ -45,8 +56,8 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
   the online softmax rescales only when a head's max grows by more than 8 (log2 units), row
   sums stay per lane until the end, and only the sequence's last partial tile is masked.
   Limit: ``p ≤ 2^8`` times a token's value scale must fit fp16 (scale < 256, i.e. a value
-  range below ~3800 within one token's head vector; the Triton kernel, with ``p ≤ 1``, allows
-  256x more).
+  range below ~3800 within one token's head vector with 4-bit uniform values, ~1800 with 3-bit
+  ones; the Triton kernel, with ``p ≤ 1``, allows 256x more).
 
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
 programs that the compiled kernel's registers let an SM hold (programs_per_sm). Each split
@@ -122,9 +133,9 @@ def _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS: gl.constexpr):
         sk = (k & 1) | ((k >> 2) & 0x1E) | ((k << 4) & 0x60)
     rows = gl.convert_layout(q_rows, gl.SliceLayout(0, _QL))
     ok = gl.convert_layout(hmask, gl.SliceLayout(0, _QL))
-    x = gl.load(q_ptr + rows[None, :] + sk[:, None], mask=ok[None, :], other=0.0)
-    x = x.to(gl.float32) * gl.load(sgn_ptr + k)[:, None]
-    x = _wht_rows(x)
+    x = gl.load(q_ptr + rows[None, :] + sk[:, None], mask=ok[None, :], other=0.0).to(gl.float32)
+    if KEYS != 2:  # fp8 keys are not rotated
+        x = _wht_rows(x * gl.load(sgn_ptr + k)[:, None])
     return gl.convert_layout(x * qscale, _OP_B).to(gl.float16)
 
 
@@ -231,7 +242,7 @@ def operand_coord(k: torch.Tensor, keys: int = 0) -> torch.Tensor:
     (keys 1): lane t's 16 row bytes hold coordinates 32t.. (:func:`_key_operand4`)."""
     if keys == 0:
         return (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
-    return (k & 1) | ((k >> 2) & 0x1E) | ((k << 4) & 0x60)
+    return (k & 1) | ((k >> 2) & 0x1E) | ((k << 4) & 0x60)   # keys 1 and fp8 keys (2)
 
 
 def value_row_coord(r: torch.Tensor) -> torch.Tensor:
@@ -244,6 +255,8 @@ def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float, keys: int 
     same butterflies, in the same order → fp16 (rows, 128), equal to fp16((q·R[:, σ])·scale)
     up to fp32 rounding."""
     sk = operand_coord(torch.arange(128, device=q.device), keys)
+    if keys == 2:  # fp8 keys are not rotated: the permuted, scaled query
+        return (q.float()[:, sk] * scale).to(torch.float16)
     x = (q.float()[:, sk] * sgn.to(q.device)).T.contiguous()          # [128, rows] as [k, n]
     rows = x.shape[1]
 
@@ -305,9 +318,42 @@ def _key_calls(kw, m: gl.constexpr, tab):
     return _j16(_lut3(a0, b0, c0, tab)), _j16(_lut3(a1, b1, c1, tab))
 
 
+# prmt selectors: bytes 0, 2, 4, 6 / 1, 3, 5, 7 of the pair (b:a)
+EVEN_BYTES = gl.constexpr(0x6420)
+ODD_BYTES = gl.constexpr(0x7531)
+
+
 @gluon.jit
-def _key_operand(kw, tab):
-    """K [64 rows, 128 columns] fp16 A operand from the lane's 12 key words (_load_tile)."""
+def _prmt(a, b, sel: gl.constexpr):
+    return gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {sel};", "=r,r,r", [a, b],
+                                     dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _parity_word(w, odd):
+    """MAP 1: one sub-plane word of the lane's tokens 8g..8g+7 (byte i: token 8g + i) → the
+    word whose byte j is token 16(g // 2) + g % 2 + 2j. Lanes g and g ^ 1 (lane ^ 4) hold the
+    two halves of those 16 tokens: each keeps its own tokens of its parity and trades the others."""
+    lo, hi = _lo_hi(w)
+    ev = _prmt(lo, hi, EVEN_BYTES)  # tokens 0, 2, 4, 6 of the lane's 8
+    od = _prmt(lo, hi, ODD_BYTES)   # tokens 1, 3, 5, 7
+    keep = gl.where(odd, od, ev)
+    got = _bfly(gl.where(odd, ev, od), 4)
+    first = gl.where(odd, got, keep)
+    last = gl.where(odd, keep, got)
+    return (first.to(gl.int64) & 0xFFFFFFFF) | (last.to(gl.int64) << 32)
+
+
+@gluon.jit
+def _key_operand(kw, tab, MAP: gl.constexpr):
+    """K [64 rows, 128 columns] fp16 A operand from the lane's 12 key words (_load_tile); row
+    g + 8i is token 8g + i (MAP 0) or 16(g // 2) + g % 2 + 2i (MAP 1)."""
+    if MAP == 1:
+        odd = ((gl.arange(0, 32, layout=_LANE) // 4) % 2) == 1
+        kw = (_parity_word(kw[0], odd), _parity_word(kw[1], odd), _parity_word(kw[2], odd),
+              _parity_word(kw[3], odd), _parity_word(kw[4], odd), _parity_word(kw[5], odd),
+              _parity_word(kw[6], odd), _parity_word(kw[7], odd), _parity_word(kw[8], odd),
+              _parity_word(kw[9], odd), _parity_word(kw[10], odd), _parity_word(kw[11], odd))
     l0, h0 = _key_calls(kw, 0, tab)
     l1, h1 = _key_calls(kw, 1, tab)
     l2, h2 = _key_calls(kw, 2, tab)
@@ -378,6 +424,48 @@ def _key_operand4(kw, tab):
              _key_row4(kw[8], kw[9], tab), _key_row4(kw[10], kw[11], tab),
              _key_row4(kw[12], kw[13], tab), _key_row4(kw[14], kw[15], tab)))
     # [lane, r0, r1, q0, q1, j0, j1, j2] → halves → [g, t, r0, r1, q0, q1, j0, j1, j2, e]
+    x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
+    x = gl.permute(x, [8, 7, 6, 0, 5, 4, 3, 2, 1, 9])
+    return gl.convert_layout(gl.reshape(x, [64, 128]), _OP_A)
+
+
+@gluon.jit
+def _e4m3x4(x):
+    """int32 of 4 e4m3 bytes → fp16 pairs of bytes (0, 1) and (2, 3)."""
+    return gl.inline_asm_elementwise("{ .reg .b16 l, h; mov.b32 {l, h}, $2; "
+                                     "cvt.rn.f16x2.e4m3x2 $0, l; cvt.rn.f16x2.e4m3x2 $1, h; }",
+                                     "=r,=r,r", [x], (gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _key_row8(w0, w1, w2, w3):
+    """One token's 32 fp8 row bytes (four int64) → [32, r0, c0, c1, c2] fp16 pairs of bytes
+    4c + 2r0, +1 (as :func:`_key_row4`'s [32, r0, r1, q0, q1] for byte 4q + r)."""
+    a0, a1 = _lo_hi(w0)
+    a2, a3 = _lo_hi(w1)
+    a4, a5 = _lo_hi(w2)
+    a6, a7 = _lo_hi(w3)
+    p0, q0 = _e4m3x4(a0)
+    p1, q1 = _e4m3x4(a1)
+    p2, q2 = _e4m3x4(a2)
+    p3, q3 = _e4m3x4(a3)
+    p4, q4 = _e4m3x4(a4)
+    p5, q5 = _e4m3x4(a5)
+    p6, q6 = _e4m3x4(a6)
+    p7, q7 = _e4m3x4(a7)
+    return _j16((p0, q0, p1, q1, p2, q2, p3, q3, p4, q4, p5, q5, p6, q6, p7, q7))
+
+
+@gluon.jit
+def _key_operand8(kw):
+    """K [64 rows, 128 columns] fp16 A operand of fp8 row keys (:func:`_load_keys8`): row
+    g + 8j is the lane's token j, column e + 2t + 8r0 + 16c its row byte 32t + 4c + 2r0 + e —
+    the 4-bit keys' columns (:func:`operand_coord` with keys 1)."""
+    x = _j8((_key_row8(kw[0], kw[1], kw[2], kw[3]), _key_row8(kw[4], kw[5], kw[6], kw[7]),
+             _key_row8(kw[8], kw[9], kw[10], kw[11]), _key_row8(kw[12], kw[13], kw[14], kw[15]),
+             _key_row8(kw[16], kw[17], kw[18], kw[19]), _key_row8(kw[20], kw[21], kw[22], kw[23]),
+             _key_row8(kw[24], kw[25], kw[26], kw[27]), _key_row8(kw[28], kw[29], kw[30], kw[31])))
+    # [lane, r0, c0, c1, c2, j0, j1, j2] → halves → [g, t, r0, c0, c1, c2, j0, j1, j2, e]
     x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
     x = gl.permute(x, [8, 7, 6, 0, 5, 4, 3, 2, 1, 9])
     return gl.convert_layout(gl.reshape(x, [64, 128]), _OP_A)
@@ -486,10 +574,23 @@ def _pages(t, seq_len, bt_row, lane, BS: gl.constexpr, MAP: gl.constexpr):
 
 
 @gluon.jit
+def _scalars16(t, pages, page0, lane, sc_b, BS: gl.constexpr, OFF: gl.constexpr):
+    """MAP 1: the 4 int64 words of the fp16 scalars (plane OFF) of the key rows' tokens
+    16(g // 2) + 0..15 (in the key row's page)."""
+    tg = t * TILE + 16 * (lane // 8)
+    sp = (page0 + pages[0].to(gl.int64) * sc_b + OFF + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
+    n0, n1 = _load16(sp)
+    n2, n3 = _load16(sp + 2)
+    return (n0, n1, n2, n3)
+
+
+@gluon.jit
 def _load_keys(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
-               KN_OFF: gl.constexpr):
-    """The lane's key words of tile t (pages: :func:`_pages` of t): 12 code words and the
-    2 words of its 8 fp16 key norms."""
+               KN_OFF: gl.constexpr, MAP: gl.constexpr):
+    """The lane's key words of tile t (pages: :func:`_pages` of t): 12 code words of its
+    tokens 8g.. and the words of its fp16 key norms — of those 8 tokens (MAP 0: 2 words) or of
+    tokens 16(g // 2) + 0..15 (MAP 1: 4 words; :func:`_key_operand` trades the code words'
+    tokens)."""
     tg = t * TILE + 8 * (lane // 4)
     pg = page0 + pages[0].to(gl.int64) * sc_b
     kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
@@ -498,9 +599,13 @@ def _load_keys(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexp
           gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
           gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
           gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
-    # the lane's 8 scalars of a role are 16 contiguous bytes (offsets are multiples of 16)
-    sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
-    return kw, _load16(sp + KN_OFF // 8)
+    if MAP == 1:
+        kn = _scalars16(t, pages, page0, lane, sc_b, BS, KN_OFF)
+    else:
+        # the lane's 8 scalars of a role are 16 contiguous bytes (offsets are multiples of 16)
+        sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
+        kn = _load16(sp + KN_OFF // 8)
+    return kw, kn
 
 
 @gluon.jit
@@ -547,26 +652,47 @@ def _load_keys4(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constex
     g0, g1 = _load16(kb + 6 * step)
     h0, h1 = _load16(kb + 7 * step)
     kw = (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1, g0, g1, h0, h1)
-    sp = (pg + KN_OFF + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
     if MAP == 0:
-        kn = _load16(sp)
+        kn = _load16((pg + KN_OFF + 2 * (tg % BS)).to(gl.pointer_type(gl.int64)))
     else:
-        n0, n1 = _load16(sp)
-        n2, n3 = _load16(sp + 2)
-        kn = (n0, n1, n2, n3)
+        kn = _scalars16(t, pages, page0, lane, sc_b, BS, KN_OFF)
     return kw, kn
 
 
 @gluon.jit
-def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
-                  VN_OFF: gl.constexpr):
+def _load_keys8(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr):
+    """fp8 row keys (MAP 0): the lane's 32 row bytes 32t.. of its 8 tokens 8g + j (32 int64:
+    token j's in words 4j..4j + 3); no norms (the second value repeats two of the words)."""
+    tg = t * TILE + 8 * (lane // 4)
+    pg = page0 + pages[0].to(gl.int64) * sc_b
+    kb = (pg + K_OFF + (tg % BS) * 128 + 32 * (lane % 4)).to(gl.pointer_type(gl.int64))
+    a0, a1 = _load16(kb)
+    a2, a3 = _load16(kb + 2)
+    b0, b1 = _load16(kb + 16)
+    b2, b3 = _load16(kb + 18)
+    c0, c1 = _load16(kb + 32)
+    c2, c3 = _load16(kb + 34)
+    d0, d1 = _load16(kb + 48)
+    d2, d3 = _load16(kb + 50)
+    e0, e1 = _load16(kb + 64)
+    e2, e3 = _load16(kb + 66)
+    f0, f1 = _load16(kb + 80)
+    f2, f3 = _load16(kb + 82)
+    g0, g1 = _load16(kb + 96)
+    g2, g3 = _load16(kb + 98)
+    h0, h1 = _load16(kb + 112)
+    h2, h3 = _load16(kb + 114)
+    kw = (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3,
+          e0, e1, e2, e3, f0, f1, f2, f3, g0, g1, g2, g3, h0, h1, h2, h3)
+    return kw, (a0, a1)
+
+
+@gluon.jit
+def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr):
     """3-bit column-major values (MAP 1): sub-plane s of code words 2g + w (at (16s + 2g + w)·BS
     in the plane) for the lane's 16 tokens 16t.. (12 int64: word 6w + 2s + u holds tokens
-    16t + 8u + 0..7), and the 4 words of the fp16 value norms of the key rows' tokens
-    16(g // 2) + 0..15."""
-    tg = t * TILE + 16 * (lane // 8)
+    16t + 8u + 0..7)."""
     tt = t * TILE + 16 * (lane % 4)
-    pg = page0 + pages[0].to(gl.int64) * sc_b
     pv = page0 + pages[1].to(gl.int64) * sc_b
     vb = (pv + V_OFF + (tt % BS) + 2 * (lane // 4) * BS).to(gl.pointer_type(gl.int64))
     a0, a1 = _load16(vb)
@@ -575,43 +701,46 @@ def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.const
     d0, d1 = _load16(vb + BS // 8)
     e0, e1 = _load16(vb + BS // 8 + 2 * BS)
     f0, f1 = _load16(vb + BS // 8 + 4 * BS)
-    sp = (pg + VN_OFF + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
-    n0, n1 = _load16(sp)
-    n2, n3 = _load16(sp + 2)
-    return (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1), (n0, n1, n2, n3)
+    return (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1)
 
 
 @gluon.jit
 def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
             KN_OFF: gl.constexpr, KEYS: gl.constexpr, MAP: gl.constexpr):
     if KEYS == 0:
-        kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF)
-    else:
+        kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP)
+    elif KEYS == 1:
         kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP)
+    else:
+        kw, kn = _load_keys8(t, pages, page0, lane, sc_b, BS, K_OFF)
     return kw, kn
 
 
 @gluon.jit
 def _load_v(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
             VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, VALS: gl.constexpr):
-    """Value words and their scalars: (scales, zero points) for uniform values (VALS 0), (norms,
-    norms) for rotated ones (VALS 1; VS_OFF: the norms' plane, VZ_OFF unused)."""
+    """Value words and their scalars: (scales, zero points) for uniform values (VALS 0, 2),
+    (norms, norms) for rotated ones (VALS 1; VS_OFF: the norms' plane, VZ_OFF unused)."""
     if VALS == 0:
         vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
     else:
-        vw, vs = _load_values3(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF)
-        vz = vs
+        vw = _load_values3(t, pages, page0, lane, sc_b, BS, V_OFF)
+        vs = _scalars16(t, pages, page0, lane, sc_b, BS, VS_OFF)
+        if VALS == 2:
+            vz = _scalars16(t, pages, page0, lane, sc_b, BS, VZ_OFF)
+        else:
+            vz = vs
     return vw, vs, vz
 
 
 @gluon.jit
 def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
                KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
-               VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr):
+               VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr):
     """The lane's raw words of tile t (pages: :func:`_pages` of t): key words, value words and
     the words of their fp16 scalars. Pages hold >= 16 tokens and tiles start at page
     boundaries, so each lane reads one page per role."""
-    kw, kn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, VALS)
+    kw, kn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP)
     vw, vs, vz = _load_v(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS)
     return kw, vw, (kn, vs, vz)
 
@@ -629,11 +758,14 @@ def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr, KEYS: gl.co
     """A tile's scores (log2 units) from its key words (rows in the token order MAP);
     MASKED: -inf past the sequence."""
     if KEYS == 0:
-        ka = _key_operand(kw, tab)
-    else:
+        ka = _key_operand(kw, tab, MAP)
+    elif KEYS == 1:
         ka = _key_operand4(kw, tab)
+    else:
+        ka = _key_operand8(kw)
     s = mma_v2(ka, qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
-    s = s * _row_scalars(skn, MAP)
+    if KEYS != 2:  # fp8 keys have no norm
+        s = s * _row_scalars(skn, MAP)
     if MASKED:
         s = gl.where((t * TILE + tau < seq_len)[:, None], s, float("-inf"))
     return s
@@ -641,17 +773,17 @@ def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr, KEYS: gl.co
 
 @gluon.jit
 def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED: gl.constexpr,
-            VALS: gl.constexpr):
+            VALS: gl.constexpr, MAP: gl.constexpr):
     """Online softmax of a tile's scores (rescaled only when a head's running max grows by
     more than 8 in log2 units, so p ≤ 256) and P·V from its value words (VALS 1: rotated
     values, their norms in svs, no zero points)."""
-    vs = _row_scalars(svs, VALS)
-    if VALS == 0:
-        vz = _row_scalars(svz, 0)
+    vs = _row_scalars(svs, MAP)
+    if VALS != 1:
+        vz = _row_scalars(svz, MAP)
     if MASKED:
         ok = (t * TILE + tau < seq_len)[:, None]
         vs = gl.where(ok, vs, 0.0)
-        if VALS == 0:
+        if VALS != 1:
             vz = gl.where(ok, vz, 0.0)
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     if gl.max(m_new - m_i, axis=0) > 8.0:
@@ -660,14 +792,15 @@ def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED: 
         a2 = gl.max(gl.reshape(gl.zeros([TILE, 8], gl.float32, layout=_MMA) + alpha[None, :],
                                [8, 8, 8]), axis=0)
         l_p = l_p * a2
-        if VALS == 0:
+        if VALS != 1:
             z_p = z_p * a2
         m_i = m_new
     p = gl.exp2(s - m_i[None, :])
     l_p = l_p + _lane_sums(p)
     pb = gl.convert_layout((p * vs).to(gl.float16), _OP_B)
-    if VALS == 0:
+    if VALS != 1:
         z_p = z_p + _lane_sums(p * vz)
+    if VALS == 0:
         acc = mma_v2(_value_operand(vw), pb, acc)
     else:
         acc = mma_v2(_value_operand3(vw, tabv), pb, acc)
@@ -676,11 +809,12 @@ def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED: 
 
 @gluon.jit
 def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv, tau, MASKED: gl.constexpr,
-          KEYS: gl.constexpr, VALS: gl.constexpr):
+          KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr):
     """One 64-token tile from its raw words (:func:`_load_tile`). MASKED: the sequence's last,
     partial tile."""
-    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED, KEYS, VALS)
-    return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED, VALS)
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED, KEYS, MAP)
+    return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED, VALS,
+                   MAP)
 
 
 @gluon.jit
@@ -724,14 +858,15 @@ def _bcast(x):
 @gluon.jit
 def _step(kw, vw, sc, t, tn, pages, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv, tau, page0, lane,
           sc_b, BS: gl.constexpr, K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
-          VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr):
+          VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr,
+          MAP: gl.constexpr):
     """Full tile t from its words, and the words of tile tn (pages: its page indices) loaded
     during t, each role's as soon as t's words of that role are consumed."""
-    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False, KEYS, VALS)
-    kw, skn = _load_k(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, VALS)
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False, KEYS, MAP)
+    kw, skn = _load_k(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP)
     gl.thread_barrier()
     m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, tabv,
-                                 False, VALS)
+                                 False, VALS, MAP)
     vw, svs, svz = _load_v(tn, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS)
     gl.thread_barrier()
     return m_i, l_p, z_p, acc, kw, vw, (skn, svs, svz)
@@ -810,7 +945,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, WRITE_LSE: gl.constexpr,
                        STORE: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr,
-                       KEYS: gl.constexpr, VALS: gl.constexpr):
+                       KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     groups = gl.num_programs(0)
@@ -848,7 +983,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # which ptxas copies into a register before every prmt
     tab = (gl.load(tab_ptr + 4 * lane), gl.load(tab_ptr + 4 * lane + 1),
            gl.load(tab_ptr + 4 * lane + 2), gl.load(tab_ptr + 4 * lane + 3))
-    if VALS == 1:
+    if VALS != 0:
         tabv = (gl.load(vtab_ptr + 4 * lane), gl.load(vtab_ptr + 4 * lane + 1),
                 gl.load(vtab_ptr + 4 * lane + 2), gl.load(vtab_ptr + 4 * lane + 3))
     else:
@@ -856,9 +991,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     bt_row = bt_ptr + b.to(gl.int64) * sbt
     page0 = cache_ptr + kvh.to(gl.int64) * sc_h
     rho = gl.arange(0, TILE, layout=_ROWS)
-    # the token of score row ρ: the values' format fixes the row order (MAP = VALS), which the
-    # key loads follow
-    if VALS == 0:
+    # the token of score row ρ: the values' format fixes the row order (MAP), which the key
+    # loads follow
+    if MAP == 0:
         tau = 8 * (rho % 8) + rho // 8
     else:
         tau = 16 * ((rho % 8) // 2) + 2 * (rho // 8) + rho % 2
@@ -866,9 +1001,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # the first tile's words are loaded first, the query rotated while they are in flight; the
     # page indices run a tile ahead of the words, so a block-table miss never waits in line
     # before a tile's word loads
-    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, VALS), page0, lane, sc_b,
-                            BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS)
-    pages = _pages(t0 + 1, seq_len, bt_row, lane, BS, VALS)
+    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, MAP), page0, lane, sc_b,
+                            BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS, MAP)
+    pages = _pages(t0 + 1, seq_len, bt_row, lane, BS, MAP)
     hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
     q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
     qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, KEYS)
@@ -880,9 +1015,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                              ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
                              VS_OFF, VZ_OFF, K_LUT, K_BND)
             if t0 == n_tiles - 1:
-                kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, VALS), page0, lane,
+                kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, MAP), page0, lane,
                                         sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
-                                        VALS)
+                                        VALS, MAP)
 
     # a finite "-inf": the first tile always takes the rescale branch (alpha = 0)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
@@ -901,12 +1036,12 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len, m_i, l_p,
                                                z_p, acc, qb, tab, tabv, tau, page0, lane, sc_b,
                                                BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
-                                               VALS)
-        pages = _pages(t + 2, seq_len, bt_row, lane, BS, VALS)
+                                               VALS, MAP)
+        pages = _pages(t + 2, seq_len, bt_row, lane, BS, MAP)
         pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
     if t_mid < t1:  # the last split: the sequence's partial last tile
         m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv,
-                                   tau, True, KEYS, VALS)
+                                   tau, True, KEYS, VALS, MAP)
 
     l_i = gl.convert_layout(gl.sum(l_p, axis=0), _HEADS)
     has = l_i > 0.0
@@ -916,7 +1051,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     heads = gl.arange(0, 8, layout=_HEADS)
     dims = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
     dim = 16 * (dims % 8) + dims // 8
-    if VALS == 0:
+    if VALS != 1:
         z = gl.convert_layout(gl.sum(z_p, axis=0), _HEADS) * inv
         o = acc * inv[None, :] + z[None, :]
     else:
@@ -996,9 +1131,9 @@ def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
     args += (vtab, osgn)
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
                 KN_OFF=m.kn_off, V_OFF=spec.value_fields[0].off,
-                VS_OFF=m.vn_off if fmt.vals else m.vs_off, VZ_OFF=m.vz_off,
+                VS_OFF=m.vn_off if fmt.vals == 1 else m.vs_off, VZ_OFF=m.vz_off,
                 WRITE_LSE=lse is not None, STORE=new_kv is not None,
-                K_LUT=kf.lut, K_BND=kf.bnd, KEYS=fmt.keys, VALS=fmt.vals, ASSIGN=num_splits > 1,
+                K_LUT=kf.lut, K_BND=kf.bnd, KEYS=fmt.keys, VALS=fmt.vals, MAP=fmt.token_map, ASSIGN=num_splits > 1,
                 n_older=min(groups * num_splits, OLDER_PER_SM * num_sms(q.device)),
                 w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1], num_warps=1, maxnreg=MAXNREG)
     return args, meta
@@ -1071,23 +1206,27 @@ def _tables(spec, device) -> tuple:
     per lane [32, 4]; the rotation's signs s[σ(k)]/√128 in operand order (R = diag(s)·H/√128,
     :func:`_fused_query`); s/√128 in natural order (:func:`_store_new_token`); rotated values
     (VALS 1): their codebook's table words [32, 4] and s/√128 at each output row's coordinate
-    (:func:`value_row_coord`)."""
+    (:func:`value_row_coord`); 3-bit uniform values (VALS 2): the codes 0..7 as table words."""
     key = (id(spec), str(device))
     if key not in _TABLES:
         fmt, kf = spec.mma, spec.key_fields[0]
+        r = spec.codec.rotation.float().cpu()
         if fmt.keys == 0:
             words = _asm.lut3_table_words(spec.table[kf.lut:kf.lut + 8].tolist())
-        else:
+        elif fmt.keys == 1:
             words = _asm.symmetric_table_words(spec.table[kf.lut:kf.lut + 16].tolist())
-        r = spec.codec.rotation.float().cpu()
-        if not is_signed_hadamard(r):
+        else:  # fp8 keys: no table, no rotation (the kernel reads neither)
+            words, r = [0, 0, 0, 0], torch.eye(128)
+        if fmt.keys != 2 and not is_signed_hadamard(r):
             raise ValueError("the tensor-core kernel needs a rotation diag(s)·H/√128")
-        s = torch.sign(r[:, 0]) / 128 ** 0.5
+        s = torch.ones(128) / 128 ** 0.5 if fmt.keys == 2 else torch.sign(r[:, 0]) / 128 ** 0.5
         vwords, osgn = words, s
-        if fmt.vals:
+        if fmt.vals == 1:
             vf = spec.value_fields[0]
             vwords = _asm.lut3_table_words(spec.table[vf.lut:vf.lut + 8].tolist())
             osgn = s[value_row_coord(torch.arange(128))]
+        elif fmt.vals == 2:
+            vwords = _asm.lut3_table_words(range(8))
         _TABLES[key] = (torch.tensor([words] * 32, dtype=torch.int32, device=device),
                         s[operand_coord(torch.arange(128), fmt.keys)].float().to(device),
                         s.float().to(device),

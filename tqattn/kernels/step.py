@@ -84,7 +84,8 @@ def tensor_core_decode(spec, q: torch.Tensor, num_kv_heads: int, plain: bool) ->
     """Whether the tensor-core kernel runs a Triton decode call (spec: its KernelSpec; plain:
     see :func:`plain`)."""
     group = q.shape[1] // num_kv_heads
-    return bool(plain and spec.mma and group <= MAX_MMA_GROUP and tensor_cores(q.device))
+    return bool(plain and spec.mma and group <= MAX_MMA_GROUP and tensor_cores(q.device)
+                and (spec.mma.keys != 2 or torch.cuda.get_device_capability(q.device) >= (8, 9)))
 
 
 def decode_kernel_store(spec, q: torch.Tensor, num_kv_heads: int, plain: bool) -> str:

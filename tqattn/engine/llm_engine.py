@@ -394,8 +394,7 @@ class LLMEngine:
 
     def num_compilations(self) -> int:
         """compilation_counts()'s total, without naming what compiled (cheap enough per step)."""
-        now = compilation.mark()
-        return now[0] - self._compile_mark[0] + now[1] - self._compile_mark[1]
+        return sum(compilation.mark()) - sum(self._compile_mark)
 
     def _num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         args = self.args

@@ -201,9 +201,9 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
     """How the tensor-core kernel reads this layout, or None where it cannot: head size 128,
     one key and one value field, no outliers, stored norms plain or "nc"-folded, a rotation
     diag(s)·H/√128 where keys or values are rotated (every head size 128 rotation of
-    quant/rotation.py), keys of 3-bit centroid
-    codes in column-major planes or 4-bit codes of a symmetric codebook in token rows, values
-    4-bit uniform in token rows, or 3-bit (rotated or uniform) in column-major planes —
+    quant/rotation.py), keys of 3-bit centroid codes in column-major planes or 4-bit codes of a
+    symmetric codebook in token rows, values 4-bit uniform in token rows, or 3-bit (rotated or
+    uniform) in column-major planes —
     ``turboquant_k3v4_nc``, ``turboquant_4bit_nc``, ``turboquant_3bit_nc``, ``tq_k4v3`` — and
     fp8 keys (unrotated, no rotation needed) with 4-bit uniform values: ``turboquant_k8v4``."""
     m, kf, vf = spec.layout, spec.key_fields, spec.value_fields

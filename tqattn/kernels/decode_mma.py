@@ -1133,7 +1133,8 @@ def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
                 KN_OFF=m.kn_off, V_OFF=spec.value_fields[0].off,
                 VS_OFF=m.vn_off if fmt.vals == 1 else m.vs_off, VZ_OFF=m.vz_off,
                 WRITE_LSE=lse is not None, STORE=new_kv is not None,
-                K_LUT=kf.lut, K_BND=kf.bnd, KEYS=fmt.keys, VALS=fmt.vals, MAP=fmt.token_map, ASSIGN=num_splits > 1,
+                K_LUT=kf.lut, K_BND=kf.bnd, KEYS=fmt.keys, VALS=fmt.vals, MAP=fmt.token_map,
+                ASSIGN=num_splits > 1,
                 n_older=min(groups * num_splits, OLDER_PER_SM * num_sms(q.device)),
                 w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1], num_warps=1, maxnreg=MAXNREG)
     return args, meta
@@ -1216,7 +1217,7 @@ def _tables(spec, device) -> tuple:
         elif fmt.keys == 1:
             words = _asm.symmetric_table_words(spec.table[kf.lut:kf.lut + 16].tolist())
         else:  # fp8 keys: no table, no rotation (the kernel reads neither)
-            words, r = [0, 0, 0, 0], torch.eye(128)
+            words = [0, 0, 0, 0]
         if fmt.keys != 2 and not is_signed_hadamard(r):
             raise ValueError("the tensor-core kernel needs a rotation diag(s)·H/√128")
         s = torch.ones(128) / 128 ** 0.5 if fmt.keys == 2 else torch.sign(r[:, 0]) / 128 ** 0.5

@@ -35,6 +35,11 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+def check_max_waiting_requests(n) -> None:
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"max_waiting_requests must be a positive integer, got {n!r}")
+
+
 class EngineError(RuntimeError):
     """The engine failed while running a step, or stopped; the request was aborted."""
 
@@ -99,8 +104,7 @@ class AsyncEngine:
 
     def __init__(self, commands, events, tokenizer, max_model_len: int,
                  max_waiting_requests: int = 256, metrics: ServerMetrics | None = None):
-        if not isinstance(max_waiting_requests, int) or max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be a positive integer, got {max_waiting_requests!r}")
+        check_max_waiting_requests(max_waiting_requests)
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics or ServerMetrics()

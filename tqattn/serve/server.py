@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from ..engine.llm_engine import LLMEngine, format_plan, format_startup
+from .async_engine import check_max_waiting_requests
 from .engine_loop import EngineLoop
 from .frontend import FrontendConfig, uvicorn_module
 
@@ -44,8 +45,7 @@ class Server:
         uvicorn_module()
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
-        if not isinstance(max_waiting_requests, int) or max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be a positive integer, got {max_waiting_requests!r}")
+        check_max_waiting_requests(max_waiting_requests)  # here: the front end's failure is later
         self.engine = engine
         self.model_name = served_model_name or engine.loaded.name
         self.host = host

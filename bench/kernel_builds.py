@@ -208,7 +208,7 @@ def _cases():
                                                                             new_kv=True),
         "mma_b8_gqa8": decode(k3, b=8, hq=64), "mma_b32_lse": decode(k3, return_lse=True),
         "mma_b32_fp16": decode(k3, dtype=torch.float16),
-        # its 4-bit-key / rotated-3-bit-value format (the store kernel writes new K/V first)
+        # its 4-bit-key / rotated-3-bit-value format
         "mma_tq_k4v3_b32": decode("tq_k4v3"), "mma_tq_k4v3_b128": decode("tq_k4v3", b=128, l=4096),
         "mma_tq_k4v3_b8_gqa8": decode("tq_k4v3", b=8, hq=64),
         "mma_tq_k4v3_lse": decode("tq_k4v3", return_lse=True),
@@ -227,7 +227,18 @@ def _cases():
         "portable_tq_k4v3": rows("tq_k4v3"), "portable_turboquant_k8v4": rows(
             "turboquant_k8v4"), "portable_tq_k3o4v3.5": decode("tq_k3o4v3.5"),
         "portable_tq_k3.5v3.5": decode("tq_k3.5v3.5"), "portable_turboquant_4bit_nc": decode(
-            "turboquant_4bit_nc"), "portable_tq_k4v3_new_kv": decode("tq_k4v3", new_kv=True),
+            "turboquant_4bit_nc"),
+        # the step's new K/V stored by the tensor-core kernel in the other formats
+        "mma_tq_k4v3_new_kv": decode("tq_k4v3", new_kv=True),
+        "mma_tq_k4v3_b128_new_kv": decode("tq_k4v3", b=128, l=4096, new_kv=True),
+        "mma_4bit_nc_new_kv": decode("turboquant_4bit_nc", new_kv=True),
+        "mma_3bit_nc_new_kv": decode("turboquant_3bit_nc", new_kv=True),
+        "mma_tq_k3v3_new_kv": decode("tq_k3v3", new_kv=True),
+        # rotated 4-bit row values (LUT4_PAIRS)
+        "mma_tq_k4v4_b32": decode("tq_k4v4"), "mma_tq_k4v4_b128": decode("tq_k4v4", b=128, l=4096),
+        "mma_tq_k4v4_b8_gqa8": decode("tq_k4v4", b=8, hq=64),
+        "mma_tq_k4v4_new_kv": decode("tq_k4v4", new_kv=True),
+        "mma_tq_k3v4_b32": decode("tq_k3v4"), "mma_tq_k3v4_new_kv": decode("tq_k3v4", new_kv=True),
     }
     for p in (k3, "tq_k4v3", "turboquant_k8v4", "tq_k3o4v3.5", "tq_k3.5v3.5"):
         for n in (32, 128, 2048):

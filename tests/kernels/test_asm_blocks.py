@@ -102,6 +102,28 @@ def test_lut4_rows_decodes_symmetric_codebook(seed):
             assert _fp16(out[b]) == float(want[lo]) and _fp16(out[b] >> 16) == float(want[hi]), (hex(x), b)
 
 
+@pytest.mark.parametrize("preset", ["tq_k4v4", "tq_k3v4"])
+def test_lut4_pairs_decodes_two_token_rows(preset):
+    """Words A, B of rotated 4-bit value codes (8 nibbles each) → the fp16 (A, B) centroid pair
+    of each nibble position, in :data:`U4_PAIRS`' output order."""
+    centroids = TQCodec(preset, 128).values.centroids[0]
+    table = _asm.symmetric_table_words(centroids.tolist())
+    want = centroids.to(torch.float16)
+    rnd = random.Random(3)
+    words = [(rnd.getrandbits(32), rnd.getrandbits(32)) for _ in range(30)]
+    words += [(0x76543210, 0xFEDCBA98), (0xFEDCBA98, 0x76543210)]    # every code on each side
+    for a, b in words:
+        out = run(_asm.LUT4_PAIRS.value, {8: a, 9: b, 10: table[0], 11: table[1],
+                                         12: table[2], 13: table[3]})
+        assert sorted(out) == list(range(8))
+        for byte in range(4):
+            for h in range(2):
+                shift = 8 * byte + 4 * h
+                r = out[2 * byte + h]
+                assert _fp16(r) == float(want[(a >> shift) & 0xF]), (hex(a), byte, h)
+                assert _fp16(r >> 16) == float(want[(b >> shift) & 0xF]), (hex(b), byte, h)
+
+
 def test_symmetric_table_words_rejects_asymmetric_codebooks():
     c = TQCodec("tq_k4v3", 128).keys.centroids[0].clone()
     with pytest.raises(ValueError, match="16 centroids"):

@@ -119,7 +119,8 @@ def test_mma_dispatch_plumbing(monkeypatch):
     """The tensor-core path's host side (kernel launch stubbed): split count = one wave of the
     resident programs, the raw query and the softmax scale, outputs allocated in q's dtype, LSE
     only on request, a step's new K/V handed to the kernel (no store launch); windows, several
-    rows, GQA groups over 8 and other layouts run the portable kernel, after the store kernel."""
+    rows, GQA groups over 8 and other layouts run the portable kernel, after the store kernel;
+    fp8 keys (no rotation in the kernel's store) on the tensor-core kernel after it."""
     from tqattn.kernels import decode
     calls, stores = [], []
     _mma_stubs(monkeypatch, calls)
@@ -146,20 +147,23 @@ def test_mma_dispatch_plumbing(monkeypatch):
     q16 = torch.randn(2, 32, 128)       # GQA 16: more heads than a tensor-core tile holds
     decode.decode_attention_triton(codec, q16, cache, bt, seq_lens, num_splits=2)
     assert len(calls) == n and len(stores) == 1   # the portable kernel, after the store kernel
-    # 4-bit keys + rotated 3-bit values: the tensor-core kernel, after the store kernel
-    other = TQCodec("tq_k4v3", 128)
-    c2, bt2, lens2 = filled_cache(other, [40, 9], 2, 16)
-    decode.decode_attention_triton(other, q, c2, bt2, lens2, new_kv=(k, v, slots))
-    assert len(calls) == n + 1 and len(stores) == 2 and calls[-1][12] is None
-    assert calls[-1][0].mma.keys == 1 and calls[-1][0].mma.vals == 1
-    for name, want in (("turboquant_4bit_nc", (1, 0)), ("turboquant_3bit_nc", (0, 2)),
-                       ("tq_k3v3", (0, 1)), ("turboquant_k8v4", (2, 0))):   # stored first
-        fmt = _spec_mma(name)
-        assert (fmt.keys, fmt.vals, fmt.store) == (*want, False), name
-    c3 = TQCodec("turboquant_3bit_nc", 128)
+    # every other tensor-core format with rotated keys stores its new token itself too
+    for name, want in (("tq_k4v3", (1, 1)), ("turboquant_4bit_nc", (1, 0)),
+                       ("turboquant_3bit_nc", (0, 2)), ("tq_k3v3", (0, 1)), ("tq_k4v4", (1, 3)),
+                       ("tq_k3v4", (0, 3))):
+        other = TQCodec(name, 128)
+        c2, bt2, lens2 = filled_cache(other, [40, 9], 2, 16)
+        decode.decode_attention_triton(other, q, c2, bt2, lens2, new_kv=(k, v, slots))
+        assert (calls[-1][0].mma.keys, calls[-1][0].mma.vals) == want, name
+        assert calls[-1][12][0] is k and len(stores) == 1, name
+    # fp8 keys: the tensor-core kernel, after the store kernel
+    assert _spec_mma("turboquant_k8v4").store is False
+    c3 = TQCodec("turboquant_k8v4", 128)
     c3c, bt3, lens3 = filled_cache(c3, [40, 9], 2, 16)
-    decode.decode_attention_triton(c3, q, c3c, bt3, lens3, new_kv=(k, v, slots))
-    assert len(calls) == n + 2 and len(stores) == 3 and calls[-1][12] is None
+    n = len(calls)
+    with mock.patch.object(torch.cuda, "get_device_capability", lambda *a: (9, 0)):
+        decode.decode_attention_triton(c3, q, c3c, bt3, lens3, new_kv=(k, v, slots))
+    assert len(calls) == n + 1 and len(stores) == 2 and calls[-1][12] is None
 
 
 def test_mma_fused_query_rotation():

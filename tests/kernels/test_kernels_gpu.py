@@ -136,7 +136,7 @@ def test_decode_without_asm_gpu(name, monkeypatch, portable):
 
 
 MMA_PRESETS = ["turboquant_k3v4_nc", "tq_k4v3", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq_k3v3",
-               "turboquant_k8v4"]
+               "turboquant_k8v4", "tq_k4v4", "tq_k3v4"]
 
 
 @pytest.mark.parametrize("name", MMA_PRESETS)
@@ -157,7 +157,7 @@ def test_decode_mma_path_gpu(name, monkeypatch):
     fp8_ok = torch.cuda.get_device_capability() >= (8, 9)   # cvt from e4m3: sm_89+
     assert step.tensor_core_decode(spec, q, 1, True) == (spec.mma.keys != 2 or fp8_ok)
     assert not step.tensor_core_decode(spec, q, 1, False)
-    want = step.DECODE_KERNEL if name == "turboquant_k3v4_nc" else step.STORE_KERNEL
+    want = step.STORE_KERNEL if name == "turboquant_k8v4" else step.DECODE_KERNEL
     assert step.decode_kernel_store(spec, q, 1, True) == want
     assert step.decode_kernel_store(spec, q, 1, False) == step.STORE_KERNEL
     assert step.decode_kernel_store(kernel_spec(_codec("turboquant_k8v4", 128), 16), q, 1,
@@ -247,15 +247,19 @@ def test_decode_with_new_kv_gpu(key_splits, monkeypatch, portable):
         codec, q, b, bt, seq_lens, new_kv=(k, v, slots), out=out), q, k, v, a, slots, check)
 
 
+@pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "turboquant_4bit_nc",
+                                  "turboquant_3bit_nc", "tq_k3v3", "tq_k4v4", "tq_k3v4"])
 @pytest.mark.parametrize("bs", [16, 64])
-def test_decode_fused_store_gpu(bs):
+def test_decode_fused_store_gpu(bs, name):
     """The tensor-core decode kernel stores each sequence's new token itself (its last
     split, before reading) — the cache as the store kernel writes it up to codes on bucket
-    boundaries, the same output, padding slots untouched, non-finite rows marked; eager and
-    replayed from a CUDA graph."""
+    boundaries and as its PyTorch twin writes it, the same output, padding slots untouched,
+    non-finite rows marked; eager and replayed from a CUDA graph."""
+    from tqattn.kernels._spec import kernel_spec
     from tqattn.kernels.decode import decode_attention_triton
+    from tqattn.kernels.decode_mma import store_new_token_ref
     from tqattn.kernels.store import store_kv_triton
-    codec = _codec("turboquant_k3v4_nc", 128)
+    codec = _codec(name, 128)
     lens = [900, 3000, 17, 64, 1, 129]
     cache, bt, seq_lens = filled_cache(codec, lens, 8, bs, device=DEV)
     slots = torch.cat([slots_for(bt, b, torch.tensor([n - 1], device=DEV), bs)
@@ -279,11 +283,15 @@ def test_decode_fused_store_gpu(bs):
             fin = ~x.isnan()
             assert rel_err(y[fin], x[fin]) < 1e-2
 
-    a, b = cache.clone(), cache.clone()
+    a, b, c = cache.clone(), cache.clone(), cache.clone()
     store_kv_triton(codec, k, v, a, slots)
     fused = dict(new_kv=(k, v, slots))
     got = decode_attention_triton(codec, q, b, bt, seq_lens, **fused)
     check(a, b)
+    store_new_token_ref(kernel_spec(codec, bs), k, v, c, slots)
+    # the same fp32 arithmetic: at most a code on a bucket boundary apart (a wrong field or
+    # packing would differ in every written token)
+    assert int((b != c).sum()) <= 8, int((b != c).sum())
     ok = torch.ones(len(lens), dtype=torch.bool)
     ok[[1, 2]] = False                              # the sequences with non-finite rows
     want = decode_attention_triton(codec, q, a, bt, seq_lens)

@@ -142,7 +142,7 @@ def test_output_unrotation_and_query_rotation_tables():
     from tqattn.kernels import _spec
     codec = TQCodec("tq_k4v3", 128)
     spec = _spec.kernel_spec(codec, 16)
-    assert spec.mma and (spec.mma.keys, spec.mma.vals, spec.mma.store) == (1, 1, False)
+    assert spec.mma and (spec.mma.keys, spec.mma.vals, spec.mma.store) == (1, 1, True)
     tab, sgn, _, vtab, osgn = decode_mma._tables(spec, "cpu")
     r = codec.rotation.float()
     coord = decode_mma.value_row_coord(torch.arange(128))
@@ -191,17 +191,19 @@ def test_parity_words_put_3bit_keys_in_the_column_major_values_token_order():
 
 def test_3bit_uniform_values_format_and_table():
     """turboquant_3bit_nc reads as 3-bit centroid keys with 3-bit uniform column-major values
-    (VALS 2; the store kernel writes new tokens), whose table words give the codes 0..7 exactly:
+    (VALS 2; the kernel stores new tokens itself), whose table words give the codes 0..7 exactly:
     scale·code + zero point is the codec's v̂ = q·scale + min."""
     from tests.kernels.ptx_emu import run
     from tqattn.kernels import _asm, _spec
     from tqattn.quant.paged import page_word_bytes
 
-    for preset, fmt in (("turboquant_3bit_nc", (0, 2, False)), ("tq_k3v3", (0, 1, False)),
-                        ("turboquant_k3v4_nc", (0, 0, True)), ("tq_k4v3", (1, 1, False))):
+    for preset, fmt in (("turboquant_3bit_nc", (0, 2, True)), ("tq_k3v3", (0, 1, True)),
+                        ("turboquant_k3v4_nc", (0, 0, True)), ("tq_k4v3", (1, 1, True)),
+                        ("turboquant_k8v4", (2, 0, False)), ("tq_k4v4", (1, 3, True)),
+                        ("tq_k3v4", (0, 3, True))):
         mma = _spec.kernel_spec(TQCodec(preset, 128), 16).mma
         assert (mma.keys, mma.vals, mma.store) == fmt, preset
-        assert mma.token_map == int(fmt[1] != 0)
+        assert mma.token_map == int(fmt[1] in (1, 2))
     spec = _spec.kernel_spec(TQCodec("turboquant_3bit_nc", 128), 16)
     vtab = decode_mma._tables(spec, "cpu")[3]
     assert vtab.shape == (32, 4) and vtab[0].tolist() == _asm.lut3_table_words(range(8))

@@ -37,16 +37,19 @@ def test_forced_triton(monkeypatch):
 @needs_triton
 def test_tensor_core_device(monkeypatch):
     """On a tensor-core device the decode kernel stores the step's tokens itself exactly where
-    it runs: its layout (turboquant_k3v4_nc at head size 128), one row per sequence, no window
-    or soft-cap, up to 8 query heads per KV head; everything else stores first."""
+    it runs with rotated keys: its layouts at head size 128 (not fp8 keys), one row per
+    sequence, no window or soft-cap, up to 8 query heads per KV head; everything else stores
+    first."""
     monkeypatch.setenv("TQATTN_FORCE_TRITON", "1")
     monkeypatch.setattr(step, "tensor_cores", lambda device: True)
     codec, q, cache = _case()
     assert step.plan_decode_store(codec, q, cache) == step.DECODE_KERNEL
     assert step.plan_decode_store(*_case(hq=16)) == step.DECODE_KERNEL      # GQA 8
     assert step.plan_decode_store(*_case(hq=32)) == step.STORE_KERNEL       # GQA 16
-    assert step.plan_decode_store(*_case("tq_k4v3")) == step.STORE_KERNEL
-    assert step.plan_decode_store(*_case("turboquant_4bit_nc")) == step.STORE_KERNEL
+    assert step.plan_decode_store(*_case("tq_k4v3")) == step.DECODE_KERNEL
+    assert step.plan_decode_store(*_case("turboquant_4bit_nc")) == step.DECODE_KERNEL
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert step.plan_decode_store(*_case("turboquant_k8v4")) == step.STORE_KERNEL
     assert step.plan_decode_store(*_case("tq_k3o4v3.5")) == step.STORE_KERNEL
     assert step.plan_decode_store(*_case(d=64)) == step.STORE_KERNEL
     qsl = torch.tensor([0, 1, 2], dtype=torch.int32)

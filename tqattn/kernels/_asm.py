@@ -160,27 +160,50 @@ def symmetric_table_words(centroids) -> list[int]:
     return lut3_table_words([struct.unpack("<e", struct.pack("<H", v))[0] for v in vals[8:]])
 
 
-def _lut4_rows_text() -> str:
-    # $4: 4 bytes of one token row (byte b: codes of coordinates 2b, 2b+1 in its low / high
-    # nibble); $5..$8: the magnitude table. Code n is +mag[n - 8] for n >= 8, -mag[7 - n] below:
+def _lut4_body(src: str, outs: tuple[str, str, str, str], tab: tuple[str, str, str, str]) -> str:
+    # src: 4 bytes (byte b: codes n0, n1 in its low / high nibble) → outs[b]: their fp16 pair,
+    # through the magnitude table tab. Code n is +mag[n - 8] for n >= 8, -mag[7 - n] below:
     # c = ~x & 0x88.. flags the negative nibbles, m = x ^ 7·flag their magnitude selectors, and
     # each flag becomes the sign bit (bit 7) of its hi-byte lookup.
-    text = ("{\n.reg .b32 c, t, u, m, l, h, a, s;\n"
-            "lop3.b32 c, $4, 0x88888888, 0, 0x0C;\n"
+    text = (f"lop3.b32 c, {src}, 0x88888888, 0, 0x0C;\n"
             "shr.b32 t, c, 3;\nmul.lo.u32 u, t, 7;\n"
-            "lop3.b32 m, $4, u, 0x77777777, 0x28;\n")
+            f"lop3.b32 m, {src}, u, 0x77777777, 0x28;\n")
     for half, spread in ((0, "0x1100"), (1, "0x3322")):
         if half:
             text += "shr.b32 m, m, 16;\n"
-        text += ("prmt.b32 l, $5, $6, m;\nprmt.b32 h, $7, $8, m;\n"
+        text += (f"prmt.b32 l, {tab[0]}, {tab[1]}, m;\nprmt.b32 h, {tab[2]}, {tab[3]}, m;\n"
                  # bytes [c0, c0, c1, c1]: nibble 2i's flag at bit 3 of byte 2i, 2i+1's at bit 7
                  f"prmt.b32 a, c, 0, {spread};\n"
                  "shl.b32 s, a, 4;\nlop3.b32 s, s, a, 0x00800080, 0xE4;\n"
                  "lop3.b32 h, h, s, 0x80808080, 0xF8;\n"
-                 f"prmt.b32 ${2 * half}, l, h, 0x5140;\nprmt.b32 ${2 * half + 1}, l, h, 0x7362;\n")
-    return text + "}"
+                 f"prmt.b32 {outs[2 * half]}, l, h, 0x5140;\n"
+                 f"prmt.b32 {outs[2 * half + 1]}, l, h, 0x7362;\n")
+    return text
+
+
+def _lut4_rows_text() -> str:
+    # $4: 4 bytes of one token row (byte b: codes of coordinates 2b, 2b+1); $5..$8: the table
+    return ("{\n.reg .b32 c, t, u, m, l, h, a, s;\n"
+            + _lut4_body("$4", ("$0", "$1", "$2", "$3"), ("$5", "$6", "$7", "$8")) + "}")
+
+
+def _lut4_pairs_text() -> str:
+    # $8, $9: 4 bytes of token rows A and B (byte b: two codes); x0 / x1 gather the low / high
+    # nibbles of both, byte b = (A's, B's), so that the row block's pairs are the (A, B) pairs
+    tab = ("$10", "$11", "$12", "$13")
+    return ("{\n.reg .b32 c, t, u, m, l, h, a, s, x0, x1;\n"
+            "shl.b32 t, $9, 4;\nlop3.b32 x0, $8, t, 0x0F0F0F0F, 0xE4;\n"    # (A & m) | (t & ~m)
+            "shr.b32 t, $8, 4;\nlop3.b32 x1, t, $9, 0x0F0F0F0F, 0xE4;\n"
+            + _lut4_body("x0", ("$0", "$2", "$4", "$6"), tab)
+            + _lut4_body("x1", ("$1", "$3", "$5", "$7"), tab) + "}")
 
 
 # 4-bit codes of a symmetric codebook (one token row word: 8 codes) → ``$b``: the fp16 pair of
 # byte b (coordinates 2b, 2b+1), the Q·K operand of the tensor-core kernel's 4-bit keys.
 LUT4_ROWS = tl.constexpr(_lut4_rows_text())
+
+
+# 4-bit codes of a symmetric codebook in two token rows (words A = $8, B = $9: 8 codes each),
+# table in $10..$13 (:func:`symmetric_table_words`) → ``$(2b + h)``: the fp16 (A, B) pair of
+# nibble h of byte b, as :data:`U4_PAIRS` orders them — the P·V operand of rotated 4-bit values.
+LUT4_PAIRS = tl.constexpr(_lut4_pairs_text())

@@ -187,14 +187,19 @@ class MmaFormat:
     keys: int     # 0: 3-bit centroid keys, column-major planes; 1: 4-bit codes of a symmetric
                   # codebook in token rows; 2: fp8 (e4m3) keys in token rows, unrotated
     vals: int     # 0: 4-bit uniform values in token rows; 1: 3-bit rotated values, column-major;
-                  # 2: 3-bit uniform values, column-major
-    store: bool   # the kernel encodes a decode step's new token itself (keys 0 with values 0)
+                  # 2: 3-bit uniform values, column-major; 3: 4-bit rotated values of a
+                  # symmetric codebook in token rows
+    store: bool   # the kernel encodes a decode step's new token itself (rotated keys, no padding)
 
     @property
     def token_map(self) -> int:
         """The score rows' token order, which the values' format fixes: 0 for row token
         values, 1 for column-major ones (kernels/decode_mma.py, MAP)."""
-        return int(self.vals != 0)
+        return int(self.vals in (1, 2))
+
+    @property
+    def rotated_values(self) -> bool:
+        return self.vals in (1, 3)
 
 
 def mma_layout(spec: KernelSpec) -> MmaFormat | None:
@@ -202,9 +207,10 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
     one key and one value field, no outliers, stored norms plain or "nc"-folded, a rotation
     diag(s)·H/√128 where keys or values are rotated (every head size 128 rotation of
     quant/rotation.py), keys of 3-bit centroid codes in column-major planes or 4-bit codes of a
-    symmetric codebook in token rows, values 4-bit uniform in token rows, or 3-bit (rotated or
-    uniform) in column-major planes —
-    ``turboquant_k3v4_nc``, ``turboquant_4bit_nc``, ``turboquant_3bit_nc``, ``tq_k4v3`` — and
+    symmetric codebook in token rows, values 4-bit (uniform, or rotated of a symmetric codebook)
+    in token rows, or 3-bit (rotated or uniform) in column-major planes — ``turboquant_k3v4_nc``,
+    ``turboquant_4bit_nc``, ``turboquant_3bit_nc``, ``tq_k4v3``, ``tq_k3v3``, ``tq_k4v4``,
+    ``tq_k3v4`` — and
     fp8 keys (unrotated, no rotation needed) with 4-bit uniform values: ``turboquant_k8v4``."""
     m, kf, vf = spec.layout, spec.key_fields, spec.value_fields
     if m.d != 128 or len(kf) != 1 or len(vf) != 1 or m.k_nout:
@@ -229,15 +235,18 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
         vals = 1
     elif not m.v_tq and v.cm and v.bits == 3 and v.g == 16 and m.v_levels == 7:
         vals = 2
+    elif (m.v_tq and not v.cm and v.bits == 4 and v.w == 1 and v.g == 64 and v.lut >= 0
+          and m.v_corr in (0, 1) and hadamard and _symmetric(spec.table[v.lut:v.lut + 16])):
+        vals = 3
     else:
         return None
     if keys == 2 and vals != 0:  # fp8 keys load in the row values' token order only
         return None
-    return MmaFormat(keys, vals, store=keys == 0 and vals == 0 and m.pad_n == 0)
+    return MmaFormat(keys, vals, store=keys != 2 and m.pad_n == 0)
 
 
 def _symmetric(centroids: torch.Tensor) -> bool:
-    """c[15 - i] = -c[i] in fp16 and c[8..15] >= 0: the sign-and-magnitude lookup of 4-bit keys."""
+    """c[15 - i] = -c[i] in fp16 and c[8..15] >= 0: the sign-and-magnitude lookup of 4-bit codes."""
     h = centroids.half()
     return bool(torch.equal(h.flip(0), -h) and (h[8:] >= 0).all())
 

@@ -15,27 +15,31 @@ the score rows' token order, follows from VALS):
   pair), rotated 3-bit values in column-major planes (:data:`_asm.LUT3_TOKENS`: one coordinate's
   consecutive tokens), accumulated in the rotated basis and un-rotated once per program (a
   Walsh–Hadamard transform of the output rows); score row ρ is token 16·(g // 2) + 2·(ρ // 8) +
-  g % 2 with g = ρ % 8 (the values' pairs of consecutive tokens fix it). The store kernel writes
-  a step's new token first.
+  g % 2 with g = ρ % 8 (the values' pairs of consecutive tokens fix it).
 * KEYS = 0, VALS = 2, ``turboquant_3bit_nc``: the first format's keys in the third's token
   order (MAP 1: a lane loads its key words of tokens 8g.. as in the first format and trades the
   tokens of the other parity with lane ^ 4, :func:`_parity_word`), 3-bit uniform values in
   column-major planes read as the third format's (the codes 0..7 as their table, scale and zero
-  point per token as in the first format). The store kernel writes a step's new token first.
-  The same keys with the third format's rotated values (KEYS = 0, VALS = 1) serve ``tq_k3v3``.
+  point per token as in the first format). The same keys with the third format's rotated values (KEYS = 0, VALS = 1) serve ``tq_k3v3``.
+* VALS = 3 with 4-bit (KEYS = 1, ``tq_k4v4``) or 3-bit keys (KEYS = 0, ``tq_k3v4``): rotated
+  4-bit values of a symmetric codebook in token rows, loaded as the first format's uniform
+  values (MAP 0) and decoded by :data:`_asm.LUT4_PAIRS`, their norms instead of scale and zero
+  point, the output un-rotated per program as ``tq_k4v3``'s.
 * KEYS = 2, VALS = 0, ``turboquant_k8v4``: fp8 (e4m3) keys in token rows, unrotated and without
   a norm (a lane reads 32 row bytes of each of its 8 tokens, converted by ``cvt.f16x2.e4m3x2``;
   the operand columns are the 4-bit keys' σ, the query is not rotated; sm_89+), the first
-  format's uniform values. The store kernel writes a step's new token first.
+  format's uniform values. The store kernel writes a step's new token first (the kernel's own
+  store serves rotated keys only).
 
 Math = :func:`tqattn.quant.paged.decode_attention_ref` (its twin; the inline asm does not run
 under triton's interpreter, so the comparison runs on the GPU: ``pytest -m gpu``; the index
 bookkeeping of the second format is replayed on CPU in tests/kernels/test_mma_operands.py).
 Each program rotates the raw query itself: the head size 128 rotation is diag(s)·H/√128, a
 Walsh–Hadamard transform (:func:`_fused_query`, twin :func:`fused_query_ref`). With a decode
-step's new K/V (STORE, first format), the last split of each (sequence, KV head) encodes its
-sequence's new token into the page before reading it (:func:`_store_new_token`; the math of
-kernels/store.py), so a decode step is one launch. The last split of each group to finish merges
+step's new K/V (STORE, every format but fp8 keys), the last split of each (sequence, KV
+head) encodes its sequence's new token into the page before reading it
+(:func:`_store_new_token`, twin :func:`store_new_token_ref`; the math of kernels/store.py), so
+a decode step is one launch. The last split of each group to finish merges
 the group's split outputs (the math of ``decode._merge_kernel``) into ``out``/``lse``.
 
 Why a second kernel: the Triton kernel feeds ``tl.dot`` from blocked layouts, so every decoded
@@ -77,6 +81,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from . import _asm
 from ._spec import num_sms
+from ..quant.packing import pack_bits
+from ..quant.paged import page_word_bytes
 from ..quant.rotation import is_signed_hadamard
 
 TILE = gl.constexpr(64)
@@ -174,64 +180,112 @@ def _row_tok(ptr, row, kk):
 
 
 @gluon.jit
+def _lloyd_max(x, sgn_ptr, ftab_ptr, kk, LUT: gl.constexpr, BND: gl.constexpr,
+               BITS: gl.constexpr, FOLD: gl.constexpr):
+    """Codes [128] of the row x rotated (R = diag(s)·H/√128, sgn_ptr: s/√128) and scaled to a
+    unit vector, and the norm to store: ‖x‖, or with FOLD ("nc") ‖x‖ / ‖ĉ‖ in fp64 as the
+    store kernel folds it. Boundaries / centroids at ftab_ptr + BND / + LUT."""
+    nrm = gl.sqrt_rn(gl.sum(x * x, axis=0))
+    y = _wht128(x * gl.load(sgn_ptr + kk), kk)
+    y = gl.div_rn(y, gl.zeros([128], gl.float32, layout=_TOK) + (nrm + 1e-8))
+    code = gl.zeros([128], gl.int32, layout=_TOK)
+    for i in gl.static_range((1 << BITS) - 1):
+        code += (y > gl.load(ftab_ptr + BND + i)).to(gl.int32)
+    if FOLD:
+        c = gl.zeros([128], gl.float32, layout=_TOK)
+        for i in gl.static_range(1 << BITS):
+            c = gl.where(code == i, gl.load(ftab_ptr + LUT + i), c)
+        c = c.to(gl.float64)
+        nrm = (nrm.to(gl.float64) / gl.sqrt(gl.sum(c * c, axis=0))).to(gl.float32)
+    return code, nrm
+
+
+@gluon.jit
+def _uniform_codes(v, LEVELS: gl.constexpr):
+    """Uniform codes [128] of the row v on LEVELS + 1 levels, its scale and zero point."""
+    vmin = gl.min(v, axis=0)
+    scale = gl.maximum(gl.div_rn(gl.max(v, axis=0) - vmin, LEVELS * 1.0), 1e-8)
+    qv = gl.floor(gl.div_rn(v - vmin, gl.zeros([128], gl.float32, layout=_TOK) + scale) + 0.5)
+    return gl.minimum(gl.maximum(qv, 0.0), LEVELS * 1.0).to(gl.int32), scale, vmin
+
+
+@gluon.jit
+def _store_words3(page, code, kk, lane, off, OFF: gl.constexpr, BS: gl.constexpr):
+    """3-bit codes [128] as 16 column-major words of 8 codes (codes 0-5 in nibbles, 6-7
+    bit-spread: tqattn.quant.paged): byte s of word g of token off at OFF + (16s + g)·BS + off.
+    A word spans lanes 2g and 2g + 1."""
+    i8 = kk % 8
+    spread = (code & 1) | ((code & 2) << 7) | ((code & 4) << 14)
+    bits = gl.where(i8 < 6, code << (4 * i8), spread << gl.maximum(4 * i8 - 21, 0))
+    half = gl.convert_layout(gl.sum(gl.reshape(bits, [32, 4]), axis=1), _LANE)
+    word = half | _bfly(half, 1)
+    kp = page + OFF + (lane // 2) * BS + off
+    for sp in gl.static_range(3):
+        gl.store(kp + sp * 16 * BS, ((word >> (8 * sp)) & 255).to(gl.uint8), mask=lane % 2 == 0)
+
+
+@gluon.jit
+def _store_row4(page, code, kk, off, OFF: gl.constexpr):
+    """4-bit codes [128] as token off's 64-byte row at OFF (coordinate 2j in byte j's low
+    nibble)."""
+    pairs = gl.convert_layout(gl.sum(gl.reshape(code << (4 * (kk % 2)), [64, 2]), axis=1), _B64)
+    gl.store(page + OFF + 64 * off + gl.arange(0, 64, layout=_B64), pairs.to(gl.uint8))
+
+
+@gluon.jit
+def _store_scalar(fp16p, x, lane, OFF: gl.constexpr):
+    """One fp16 scalar of the token (fp16p: its first plane's entry) at plane offset OFF."""
+    zero = gl.zeros([32], gl.float32, layout=_LANE)
+    gl.store(fp16p + OFF // 2 + 0 * lane, (zero + x).to(gl.float16), mask=lane == 0)
+
+
+@gluon.jit
 def _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr, ksgn_ptr,
                      cache_ptr, sc_b, sc_h, b, kvh, BS: gl.constexpr, K_OFF: gl.constexpr,
                      KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
-                     VZ_OFF: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr):
+                     VZ_OFF: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr,
+                     V_LUT: gl.constexpr, V_BND: gl.constexpr, K_FOLD: gl.constexpr,
+                     V_FOLD: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr):
     """STORE: encode sequence b's new token of KV head kvh into the page at slot_ptr[b] (negative:
-    padding, nothing written) — the math of kernels/store.py for turboquant_k3v4_nc-like
-    layouts (3-bit centroid keys with folded norm in 16 column-major words, 4-bit uniform values),
-    with the rotation as a Walsh–Hadamard transform (R = diag(s)·H/√128; ksgn_ptr: s/√128) in
-    fp32 instead of TF32 dots: codes can differ from the store kernel's where a coordinate sits
-    on a bucket boundary. One warp, 4 coordinates per lane."""
+    padding, nothing written) — the math of kernels/store.py, with the rotation as a
+    Walsh–Hadamard transform (R = diag(s)·H/√128; ksgn_ptr: s/√128) in fp32 instead of TF32
+    dots: codes can differ from the store kernel's where a coordinate sits on a bucket
+    boundary. Keys: 3-bit centroid codes in column-major words with folded norm (KEYS 0) or
+    4-bit codes in token rows (KEYS 1); values: 4-bit uniform in token rows (VALS 0), rotated
+    3-bit in column-major words with their norm (VALS 1), 3-bit uniform in column-major words
+    (VALS 2); non-finite rows store NaN norms / scales. One warp, 4 coordinates per lane.
+    PyTorch twin: :func:`store_new_token_ref`."""
     slot = gl.load(slot_ptr + b).to(gl.int64)
     if slot >= 0:
         off = slot % BS
         page = cache_ptr + (slot // BS) * sc_b + kvh.to(gl.int64) * sc_h
         kk = gl.arange(0, 128, layout=_TOK)
         lane = gl.arange(0, 32, layout=_LANE)
-        # keys: norm, rotation, Lloyd–Max codes, folded norm n / ‖ĉ‖
+        fp16p = (page + 2 * off).to(gl.pointer_type(gl.float16))
         x, bad = _row_tok(kn_ptr, b.to(gl.int64) * skn_b + kvh * skn_h, kk)
         v, vbad = _row_tok(vn_ptr, b.to(gl.int64) * svn_b + kvh * svn_h, kk)
-        nrm = gl.sqrt_rn(gl.sum(x * x, axis=0))
-        y = _wht128(x * gl.load(ksgn_ptr + kk), kk)
-        y = gl.div_rn(y, gl.zeros([128], gl.float32, layout=_TOK) + (nrm + 1e-8))
-        code = gl.zeros([128], gl.int32, layout=_TOK)
-        for i in gl.static_range(7):
-            code += (y > gl.load(ftab_ptr + K_BND + i)).to(gl.int32)
-        c = gl.zeros([128], gl.float32, layout=_TOK)
-        for i in gl.static_range(8):
-            c = gl.where(code == i, gl.load(ftab_ptr + K_LUT + i), c)
-        c = c.to(gl.float64)
-        kn = (nrm.to(gl.float64) / gl.sqrt(gl.sum(c * c, axis=0))).to(gl.float32)
-        # 3-bit words of 8 codes (codes 0-5 in nibbles, 6-7 bit-spread: tqattn.quant.paged);
-        # a word spans lanes 2g and 2g + 1
-        i8 = kk % 8
-        spread = (code & 1) | ((code & 2) << 7) | ((code & 4) << 14)
-        bits = gl.where(i8 < 6, code << (4 * i8), spread << gl.maximum(4 * i8 - 21, 0))
-        half = gl.convert_layout(gl.sum(gl.reshape(bits, [32, 4]), axis=1), _LANE)
-        word = half | _bfly(half, 1)
-        kp = page + K_OFF + (lane // 2) * BS + off
-        for sp in gl.static_range(3):
-            gl.store(kp + sp * 16 * BS, ((word >> (8 * sp)) & 255).to(gl.uint8),
-                     mask=lane % 2 == 0)
-        # values: 4-bit uniform codes, two per byte
-        vmin = gl.min(v, axis=0)
-        scale = gl.maximum(gl.div_rn(gl.max(v, axis=0) - vmin, 15.0), 1e-8)
-        qv = gl.floor(gl.div_rn(v - vmin, gl.zeros([128], gl.float32, layout=_TOK) + scale)
-                      + 0.5)
-        qv = gl.minimum(gl.maximum(qv, 0.0), 15.0).to(gl.int32)
-        pairs = gl.convert_layout(gl.sum(gl.reshape(qv << (4 * (kk % 2)), [64, 2]), axis=1),
-                                  _B64)
-        gl.store(page + V_OFF + 64 * off + gl.arange(0, 64, layout=_B64), pairs.to(gl.uint8))
-        fp16p = (page + 2 * off).to(gl.pointer_type(gl.float16))
-        first = lane == 0
-        zero = gl.zeros([32], gl.float32, layout=_LANE)
-        gl.store(fp16p + KN_OFF // 2 + 0 * lane,
-                 (zero + gl.where(bad, float("nan"), kn)).to(gl.float16), mask=first)
-        gl.store(fp16p + VS_OFF // 2 + 0 * lane,
-                 (zero + gl.where(vbad, float("nan"), scale)).to(gl.float16), mask=first)
-        gl.store(fp16p + VZ_OFF // 2 + 0 * lane, (zero + vmin).to(gl.float16), mask=first)
+        code, kn = _lloyd_max(x, ksgn_ptr, ftab_ptr, kk, K_LUT, K_BND, 3 + KEYS, K_FOLD)
+        if KEYS == 0:
+            _store_words3(page, code, kk, lane, off, K_OFF, BS)
+        else:
+            _store_row4(page, code, kk, off, K_OFF)
+        _store_scalar(fp16p, gl.where(bad, float("nan"), kn), lane, KN_OFF)
+        if VALS == 1 or VALS == 3:
+            vcode, vnrm = _lloyd_max(v, ksgn_ptr, ftab_ptr, kk, V_LUT, V_BND, 3 + VALS // 3,
+                                     V_FOLD)
+            if VALS == 1:
+                _store_words3(page, vcode, kk, lane, off, V_OFF, BS)
+            else:
+                _store_row4(page, vcode, kk, off, V_OFF)
+            _store_scalar(fp16p, gl.where(vbad, float("nan"), vnrm), lane, VS_OFF)
+        else:
+            qv, scale, vmin = _uniform_codes(v, 15 if VALS == 0 else 7)
+            if VALS == 0:
+                _store_row4(page, qv, kk, off, V_OFF)
+            else:
+                _store_words3(page, qv, kk, lane, off, V_OFF, BS)
+            _store_scalar(fp16p, gl.where(vbad, float("nan"), scale), lane, VS_OFF)
+            _store_scalar(fp16p, vmin, lane, VZ_OFF)
     # the warp reads this token's page back in its last tile
     gl.thread_barrier()
 
@@ -248,6 +302,89 @@ def operand_coord(k: torch.Tensor, keys: int = 0) -> torch.Tensor:
 def value_row_coord(r: torch.Tensor) -> torch.Tensor:
     """Coordinate of row ρ of Vᵀ and of the output accumulator: 16·(ρ % 8) + ρ // 8."""
     return 16 * (r % 8) + r // 8
+
+
+def _wht128_ref(x: torch.Tensor) -> torch.Tensor:
+    """:func:`_wht128` on rows x (n, 128) fp32: the butterflies over bits 0..6 of the index in
+    the kernel's order, (u + v, u − v) each."""
+    for b in range(7):
+        y = x.reshape(-1, 128 >> (b + 1), 2, 1 << b)
+        x = torch.stack([y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]], 2).reshape(-1, 128)
+    return x
+
+
+def store_new_token_ref(spec, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """PyTorch twin of :func:`_store_new_token` (key/value (N, Hk, 128), one token per entry of
+    slot_mapping; negative slots store nothing): the same fp32 transform, codes and fp64
+    folding, packed by the page format's own packers, written into kv_cache in place."""
+    m, fmt, kf, vf = spec.layout, spec.mma, spec.key_fields[0], spec.value_fields[0]
+    if not fmt or not fmt.store:
+        raise ValueError(f"{spec.codec.preset.name}: the tensor-core kernel does not store its "
+                         f"tokens")
+    bs, tab = spec.block_size, spec.table.float()
+    sgn = torch.sign(spec.codec.rotation.float().cpu()[:, 0]) / 128 ** 0.5
+    keep = slot_mapping.cpu() >= 0
+    k = key.detach().float().cpu()[keep].reshape(-1, 128)
+    v = value.detach().float().cpu()[keep].reshape(-1, 128)
+    hk = key.shape[1]
+    slots = slot_mapping.cpu()[keep].repeat_interleave(hk)
+    heads = torch.arange(hk).repeat(int(keep.sum()))
+
+    def rows(x):
+        bad = ~torch.isfinite(x).all(1)
+        return torch.where(bad[:, None], 0.0, x), bad
+
+    def lloyd_max(x, lut, bnd, bits, fold):
+        nrm = x.square().sum(1).sqrt()
+        y = _wht128_ref(x * sgn) / (nrm + 1e-8)[:, None]
+        code = (y[:, :, None] > tab[bnd:bnd + (1 << bits) - 1]).sum(2)
+        if fold:
+            c = tab[lut:lut + (1 << bits)][code].double()
+            nrm = (nrm.double() / c.square().sum(1).sqrt()).float()
+        return code, nrm
+
+    def uniform(x, levels):
+        vmin = x.min(1).values
+        scale = torch.clamp((x.max(1).values - vmin) / levels, min=1e-8)
+        q = torch.floor((x - vmin[:, None]) / scale[:, None] + 0.5).clamp(0, levels).long()
+        return q, scale, vmin
+
+    flat = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
+    kx, kbad = rows(k)
+    vx, vbad = rows(v)
+    code, kn = lloyd_max(kx, kf.lut, kf.bnd, 3 + fmt.keys, m.k_corr == 1)
+    t = slots % bs
+    dev = kv_cache.device
+    blk, hd = (slots // bs).to(dev)[:, None], heads.to(dev)[:, None]
+
+    def put(pos, data):      # pos, data (n, m): byte positions in each token's page
+        flat[blk, hd, pos.to(dev)] = data.to(torch.uint8).to(dev)
+
+    def write3(off, code):   # byte s of word g at (16s + g)·BS: column-major sub-planes
+        w = page_word_bytes(code).reshape(-1, 16, 3)
+        g = torch.arange(16)
+        for sp in range(3):
+            put(off + (16 * sp + g) * bs + t[:, None], w[:, :, sp])
+
+    def write4(off, code):   # token rows of 64 bytes
+        put(off + 64 * t[:, None] + torch.arange(64), pack_bits(code, 4))
+
+    def write16(off, x):
+        put(off + 2 * t[:, None] + torch.arange(2),
+            x.to(torch.float16).view(torch.uint8).reshape(-1, 2))
+
+    (write3 if fmt.keys == 0 else write4)(kf.off, code)
+    write16(m.kn_off, torch.where(kbad, float("nan"), kn))
+    if fmt.rotated_values:
+        vcode, vn = lloyd_max(vx, vf.lut, vf.bnd, 3 + fmt.vals // 3, m.v_corr == 1)
+        (write3 if fmt.vals == 1 else write4)(vf.off, vcode)
+        write16(m.vn_off, torch.where(vbad, float("nan"), vn))
+    else:
+        q, scale, vmin = uniform(vx, 15 if fmt.vals == 0 else 7)
+        (write4 if fmt.vals == 0 else write3)(vf.off, q)
+        write16(m.vs_off, torch.where(vbad, float("nan"), scale))
+        write16(m.vz_off, vmin)
 
 
 def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float, keys: int = 0) -> torch.Tensor:
@@ -373,20 +510,39 @@ def _u4(a, b):
 
 
 @gluon.jit
-def _value_calls(vw, j: gl.constexpr):
-    """Tokens 16t + j (A) and 16t + 8 + j (B): bytes 8g..8g+7 (int64) each."""
-    a0, a1 = _lo_hi(vw[2 * j])
-    b0, b1 = _lo_hi(vw[2 * j + 1])
-    return gl.join(_j8(_u4(a0, b0)), _j8(_u4(a1, b1)))
+def _lut4p(a, b, tab):
+    return gl.inline_asm_elementwise(_asm.LUT4_PAIRS, "=r," * 8 + "r," * 5 + "r",
+                                     [a, b, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 8,
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
-def _value_operand(vw):
-    """Vᵀ [128 rows, 64 columns] fp16 A operand from the lane's 16 value words (_load_tile)."""
-    x = gl.join(_j4(_value_calls(vw, 0), _value_calls(vw, 1), _value_calls(vw, 2),
-                    _value_calls(vw, 3)),
-                _j4(_value_calls(vw, 4), _value_calls(vw, 5), _value_calls(vw, 6),
-                    _value_calls(vw, 7)))
+def _pairs4(a, b, tab, LUT: gl.constexpr):
+    """:data:`_asm.U4_PAIRS` (uniform codes) or, with LUT, :data:`_asm.LUT4_PAIRS` (the
+    symmetric codebook of rotated values, table words tab)."""
+    if LUT:
+        o = _lut4p(a, b, tab)
+    else:
+        o = _u4(a, b)
+    return o
+
+
+@gluon.jit
+def _value_calls(vw, j: gl.constexpr, tab, LUT: gl.constexpr):
+    """Tokens 16t + j (A) and 16t + 8 + j (B): bytes 8g..8g+7 (int64) each."""
+    a0, a1 = _lo_hi(vw[2 * j])
+    b0, b1 = _lo_hi(vw[2 * j + 1])
+    return gl.join(_j8(_pairs4(a0, b0, tab, LUT)), _j8(_pairs4(a1, b1, tab, LUT)))
+
+
+@gluon.jit
+def _value_operand(vw, tab, LUT: gl.constexpr):
+    """Vᵀ [128 rows, 64 columns] fp16 A operand from the lane's 16 value words (_load_tile):
+    uniform codes, or with LUT rotated codes through the table words tab."""
+    x = gl.join(_j4(_value_calls(vw, 0, tab, LUT), _value_calls(vw, 1, tab, LUT),
+                    _value_calls(vw, 2, tab, LUT), _value_calls(vw, 3, tab, LUT)),
+                _j4(_value_calls(vw, 4, tab, LUT), _value_calls(vw, 5, tab, LUT),
+                    _value_calls(vw, 6, tab, LUT), _value_calls(vw, 7, tab, LUT)))
     # [lane, nib, b0, b1, w, j0, j1, j2] → halves → [g, t, nib, b0, b1, w, j0, j1, j2, h]
     x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
     # row = g + 8 nib + 16 b0 + 32 b1 + 64 w; column = h + 2t + 8 j0 + 16 j1 + 32 j2
@@ -720,9 +876,11 @@ def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
 def _load_v(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
             VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, VALS: gl.constexpr):
     """Value words and their scalars: (scales, zero points) for uniform values (VALS 0, 2),
-    (norms, norms) for rotated ones (VALS 1; VS_OFF: the norms' plane, VZ_OFF unused)."""
+    (norms, norms) for rotated ones (VALS 1, 3; VS_OFF: the norms' plane, VZ_OFF unused)."""
     if VALS == 0:
         vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
+    elif VALS == 3:
+        vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VS_OFF)
     else:
         vw = _load_values3(t, pages, page0, lane, sc_b, BS, V_OFF)
         vs = _scalars16(t, pages, page0, lane, sc_b, BS, VS_OFF)
@@ -775,15 +933,16 @@ def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr, KEYS: gl.co
 def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED: gl.constexpr,
             VALS: gl.constexpr, MAP: gl.constexpr):
     """Online softmax of a tile's scores (rescaled only when a head's running max grows by
-    more than 8 in log2 units, so p ≤ 256) and P·V from its value words (VALS 1: rotated
+    more than 8 in log2 units, so p ≤ 256) and P·V from its value words (VALS 1, 3: rotated
     values, their norms in svs, no zero points)."""
+    UNIFORM: gl.constexpr = VALS == 0 or VALS == 2
     vs = _row_scalars(svs, MAP)
-    if VALS != 1:
+    if UNIFORM:
         vz = _row_scalars(svz, MAP)
     if MASKED:
         ok = (t * TILE + tau < seq_len)[:, None]
         vs = gl.where(ok, vs, 0.0)
-        if VALS != 1:
+        if UNIFORM:
             vz = gl.where(ok, vz, 0.0)
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     if gl.max(m_new - m_i, axis=0) > 8.0:
@@ -792,16 +951,16 @@ def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED: 
         a2 = gl.max(gl.reshape(gl.zeros([TILE, 8], gl.float32, layout=_MMA) + alpha[None, :],
                                [8, 8, 8]), axis=0)
         l_p = l_p * a2
-        if VALS != 1:
+        if UNIFORM:
             z_p = z_p * a2
         m_i = m_new
     p = gl.exp2(s - m_i[None, :])
     l_p = l_p + _lane_sums(p)
     pb = gl.convert_layout((p * vs).to(gl.float16), _OP_B)
-    if VALS != 1:
+    if UNIFORM:
         z_p = z_p + _lane_sums(p * vz)
-    if VALS == 0:
-        acc = mma_v2(_value_operand(vw), pb, acc)
+    if VALS == 0 or VALS == 3:
+        acc = mma_v2(_value_operand(vw, tabv, VALS == 3), pb, acc)
     else:
         acc = mma_v2(_value_operand3(vw, tabv), pb, acc)
     return m_i, l_p, z_p, acc
@@ -945,7 +1104,9 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
                        VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, WRITE_LSE: gl.constexpr,
                        STORE: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr,
-                       KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr):
+                       V_LUT: gl.constexpr, V_BND: gl.constexpr, K_FOLD: gl.constexpr,
+                       V_FOLD: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr,
+                       MAP: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     groups = gl.num_programs(0)
@@ -1013,7 +1174,8 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         if split == NUM_SPLITS - 1:
             _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr,
                              ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
-                             VS_OFF, VZ_OFF, K_LUT, K_BND)
+                             VS_OFF, VZ_OFF, K_LUT, K_BND, V_LUT, V_BND, K_FOLD, V_FOLD, KEYS,
+                             VALS)
             if t0 == n_tiles - 1:
                 kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, MAP), page0, lane,
                                         sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
@@ -1051,7 +1213,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     heads = gl.arange(0, 8, layout=_HEADS)
     dims = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
     dim = 16 * (dims % 8) + dims // 8
-    if VALS != 1:
+    if VALS == 0 or VALS == 2:
         z = gl.convert_layout(gl.sum(z_p, axis=0), _HEADS) * inv
         o = acc * inv[None, :] + z[None, :]
     else:
@@ -1103,7 +1265,7 @@ MAXNREG = 255
 def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group, num_splits,
           scale, new_kv=None):
     m, fmt = spec.layout, spec.mma
-    kf = spec.key_fields[0]
+    kf, vf = spec.key_fields[0], spec.value_fields[0]
     groups = seq_lens.numel() * kv_cache.shape[1]
     tab, sgn, ksgn, vtab, osgn = _tables(spec, q.device)
     lse_arg = lse if lse is not None else plse
@@ -1130,10 +1292,11 @@ def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
         args += (q, 0, 0, q, 0, 0, seq_lens, tab, tab)
     args += (vtab, osgn)
     meta = dict(GROUP=group, HK=kv_cache.shape[1], BS=spec.block_size, K_OFF=kf.off,
-                KN_OFF=m.kn_off, V_OFF=spec.value_fields[0].off,
-                VS_OFF=m.vn_off if fmt.vals == 1 else m.vs_off, VZ_OFF=m.vz_off,
+                KN_OFF=m.kn_off, V_OFF=vf.off,
+                VS_OFF=m.vn_off if fmt.rotated_values else m.vs_off, VZ_OFF=m.vz_off,
                 WRITE_LSE=lse is not None, STORE=new_kv is not None,
-                K_LUT=kf.lut, K_BND=kf.bnd, KEYS=fmt.keys, VALS=fmt.vals, MAP=fmt.token_map,
+                K_LUT=kf.lut, K_BND=kf.bnd, V_LUT=vf.lut, V_BND=vf.bnd, K_FOLD=m.k_corr == 1,
+                V_FOLD=m.v_corr == 1, KEYS=fmt.keys, VALS=fmt.vals, MAP=fmt.token_map,
                 ASSIGN=num_splits > 1,
                 n_older=min(groups * num_splits, OLDER_PER_SM * num_sms(q.device)),
                 w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1], num_warps=1, maxnreg=MAXNREG)
@@ -1207,7 +1370,9 @@ def _tables(spec, device) -> tuple:
     per lane [32, 4]; the rotation's signs s[σ(k)]/√128 in operand order (R = diag(s)·H/√128,
     :func:`_fused_query`); s/√128 in natural order (:func:`_store_new_token`); rotated values
     (VALS 1): their codebook's table words [32, 4] and s/√128 at each output row's coordinate
-    (:func:`value_row_coord`); 3-bit uniform values (VALS 2): the codes 0..7 as table words."""
+    (:func:`value_row_coord`); rotated 4-bit values (VALS 3): their codebook's magnitude table
+    words (:func:`_asm.symmetric_table_words`); 3-bit uniform values (VALS 2): the codes 0..7
+    as table words."""
     key = (id(spec), str(device))
     if key not in _TABLES:
         fmt, kf = spec.mma, spec.key_fields[0]
@@ -1222,12 +1387,15 @@ def _tables(spec, device) -> tuple:
             raise ValueError("the tensor-core kernel needs a rotation diag(s)·H/√128")
         s = torch.ones(128) / 128 ** 0.5 if fmt.keys == 2 else torch.sign(r[:, 0]) / 128 ** 0.5
         vwords, osgn = words, s
+        vf = spec.value_fields[0]
         if fmt.vals == 1:
-            vf = spec.value_fields[0]
             vwords = _asm.lut3_table_words(spec.table[vf.lut:vf.lut + 8].tolist())
-            osgn = s[value_row_coord(torch.arange(128))]
         elif fmt.vals == 2:
             vwords = _asm.lut3_table_words(range(8))
+        elif fmt.vals == 3:
+            vwords = _asm.symmetric_table_words(spec.table[vf.lut:vf.lut + 16].tolist())
+        if fmt.rotated_values:
+            osgn = s[value_row_coord(torch.arange(128))]
         _TABLES[key] = (torch.tensor([words] * 32, dtype=torch.int32, device=device),
                         s[operand_coord(torch.arange(128), fmt.keys)].float().to(device),
                         s.float().to(device),

@@ -297,6 +297,9 @@ def main():
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="4096,16384,65536")
     ap.add_argument("--presets", default=",".join(VLLM + OURS))
+    ap.add_argument("--shapes", default="32/8/128",
+                    help="query heads/KV heads/head size, comma-separated: each runs the "
+                         "batches × contexts grid")
     ap.add_argument("--extra", action="store_true", default=True)
     ap.add_argument("--no-extra", dest="extra", action="store_false")
     ap.add_argument("--flush", default="memset",
@@ -335,11 +338,13 @@ def main():
 
     # the longest context last, after the extra shapes: a time-out loses the least
     ctxs = sorted(int(x) for x in args.contexts.split(","))
-    shapes = [(32, 8, 128, b, l) for l in ctxs[:-1] for b in map(int, args.batches.split(","))]
+    grid = [tuple(int(x) for x in sh.split("/")) for sh in args.shapes.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    shapes = [(*g, b, l) for g in grid for l in ctxs[:-1] for b in batches]
     if args.extra:
         shapes += [(hq, hk, d, 32, 16384) for hq, hk, d in [(64, 8, 128), (32, 8, 64),
                                                             (32, 8, 256)]]
-    shapes += [(32, 8, 128, b, ctxs[-1]) for b in map(int, args.batches.split(","))]
+    shapes += [(*g, b, ctxs[-1]) for g in grid for b in batches]
     for hq, hk, d, b, l in shapes:
         rows += run_shape(timers, hq, hk, d, b, l, presets, copy["gbs_rw"], fa3,
                           cos_only=[p for p in VLLM + OURS + COSINE_ONLY if p not in presets]

@@ -222,7 +222,7 @@ def _cases():
         "mma_k8v4_b128": decode("turboquant_k8v4", b=128, l=4096),
         "mma_k8v4_b8_gqa8": decode("turboquant_k8v4", b=8, hq=64),
         # portable kernel (+ merge): k3v4_nc off the tensor-core path, other presets
-        "portable_k3v4_nc_rows": rows(k3), "portable_k3v4_nc_d64": decode(k3, d=64),
+        "portable_k3v4_nc_rows": rows(k3), "portable_k3v4_nc_d64": decode(k3, d=64, window=1024),
         "portable_k3v4_nc_window": decode(k3, window=1024, softcap=30.0),
         "portable_tq_k4v3": rows("tq_k4v3"), "portable_turboquant_k8v4": rows(
             "turboquant_k8v4"), "portable_tq_k3o4v3.5": decode("tq_k3o4v3.5"),
@@ -240,6 +240,12 @@ def _cases():
         "mma_tq_k4v4_new_kv": decode("tq_k4v4", new_kv=True),
         "mma_tq_k3v4_b32": decode("tq_k3v4"), "mma_tq_k3v4_new_kv": decode("tq_k3v4", new_kv=True),
     }
+    # head size 64 (no fused store): GQA 4 and 8, one split
+    for p in (k3, "tq_k4v3", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq_k3v3", "tq_k4v4",
+              "tq_k3v4"):
+        cases[f"mma_d64_{p}_b32"] = decode(p, d=64)
+        cases[f"mma_d64_{p}_b8_gqa8"] = decode(p, d=64, b=8, hq=64)
+        cases[f"mma_d64_{p}_b128"] = decode(p, d=64, b=128, l=4096)
     for p in (k3, "tq_k4v3", "turboquant_k8v4", "tq_k3o4v3.5", "tq_k3.5v3.5"):
         for n in (32, 128, 2048):
             cases[f"store_{p}_{n}"] = store(p, n)

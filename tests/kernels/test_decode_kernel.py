@@ -164,6 +164,14 @@ def test_mma_dispatch_plumbing(monkeypatch):
     with mock.patch.object(torch.cuda, "get_device_capability", lambda *a: (9, 0)):
         decode.decode_attention_triton(c3, q, c3c, bt3, lens3, new_kv=(k, v, slots))
     assert len(calls) == n + 1 and len(stores) == 2 and calls[-1][12] is None
+    # head size 64: the tensor-core kernel with scratch rows of 64, after the store kernel
+    c4 = TQCodec("tq_k4v3", 64)
+    c4c, bt4, lens4 = filled_cache(c4, [40, 9], 2, 16)
+    q64 = torch.randn(2, 6, 64, dtype=torch.bfloat16)
+    k64, v64 = torch.randn(2, 2, 2, 64)
+    decode.decode_attention_triton(c4, q64, c4c, bt4, lens4, new_kv=(k64, v64, slots))
+    assert len(calls) == n + 2 and len(stores) == 3 and calls[-1][12] is None
+    assert calls[-1][5].shape[-1] == 64 and calls[-1][7].shape == (2, 6, 64)
 
 
 def test_mma_fused_query_rotation():
@@ -186,7 +194,8 @@ def test_mma_fused_query_rotation():
                                  codec=types.SimpleNamespace(rotation=haar_rotation(128)))
     assert _spec.mma_layout(spec) and not _spec.mma_layout(haar)
     assert not _spec.kernel_spec(TQCodec("tq_k3o4v3.5", 128), 16).mma
-    assert not _spec.kernel_spec(TQCodec("turboquant_k3v4_nc", 64), 16).mma
+    assert not _spec.kernel_spec(TQCodec("turboquant_k3v4_nc", 256), 16).mma
+    assert _spec.kernel_spec(TQCodec("turboquant_k3v4_nc", 64), 16).mma.store is False
 
 
 def test_fp8_key_tensor_core_path_needs_sm89(monkeypatch):

@@ -197,6 +197,51 @@ def test_decode_mma_splits_gpu(name, bs, monkeypatch):
         assert rel_err(got, want) < 2e-3
 
 
+MMA64_PRESETS = ["turboquant_k3v4_nc", "tq_k4v3", "turboquant_4bit_nc", "turboquant_3bit_nc",
+                 "tq_k3v3", "tq_k4v4", "tq_k3v4"]
+
+
+@pytest.mark.parametrize("name", MMA64_PRESETS)
+def test_decode_mma_head64_gpu(name, monkeypatch):
+    """Head size 64 on the tensor-core kernel (D = 64): page sizes, GQA 3 and 7 (SmolLM2,
+    Qwen2.5-0.5B) and 8, sequences of 0 and 1 tokens and of fewer tiles than splits, several
+    split counts; against the portable kernel too; a step's new K/V go through the store kernel
+    first (no fused store at 64)."""
+    from tqattn.kernels import step
+    from tqattn.kernels._spec import kernel_spec
+    from tqattn.kernels.decode import decode_attention_triton
+    from tqattn.kernels.store import store_kv_triton
+    q = torch.zeros(1, 8, 64, device=DEV)
+    spec = kernel_spec(_codec(name, 64), 16)
+    assert step.tensor_core_decode(spec, q, 1, True)
+    assert step.decode_kernel_store(spec, q, 1, True) == step.STORE_KERNEL
+    for bs in (16, 32, 64):
+        _decode_case(name, 64, 2, 7, bs, [63, 64, 65, 129, 5000, 1])
+    _decode_case(name, 64, 3, 3, 16, [0, 300, 64, 2000])
+    _decode_case(name, 64, 1, 8, 16, [4100, 17], dtype=torch.float16)
+    for splits in (None, 1, 3, 40):
+        _decode_case(name, 64, 3, 4, 16, [5000, 17, 2500, 0, 700], num_splits=splits)
+    codec = _codec(name, 64)
+    cache, bt, seq_lens = filled_cache(codec, [3000, 17, 900], 2, 16, device=DEV)
+    q = torch.randn(3, 14, 64, device=DEV, dtype=torch.bfloat16)
+    got = decode_attention_triton(codec, q, cache, bt, seq_lens)
+    with monkeypatch.context() as m:
+        m.setattr(step, "tensor_cores", lambda device: False)
+        want = decode_attention_triton(codec, q, cache, bt, seq_lens)
+    assert rel_err(got, want) < 2e-3
+    lens = [900, 3000, 17, 64]   # the new token overwrites each sequence's last slot
+    cache, bt, seq_lens = filled_cache(codec, lens, 2, 16, device=DEV)
+    slots = torch.cat([slots_for(bt, b, torch.tensor([n - 1], device=DEV), 16)
+                       for b, n in enumerate(lens)])
+    q = torch.randn(4, 6, 64, device=DEV, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 4, 2, 64, device=DEV, dtype=torch.bfloat16)
+    a = cache.clone()
+    store_kv_triton(codec, k, v, a, slots)
+    want = decode_attention_triton(codec, q, a, bt, seq_lens)
+    got = decode_attention_triton(codec, q, cache, bt, seq_lens, new_kv=(k, v, slots))
+    assert torch.equal(a, cache) and rel_err(got, want) < 1e-4
+
+
 def _replay_new_tokens(codec, step, q, k, v, a, slots, check):
     """Capture step(out) — a decode step that stores k, v at slots — in a CUDA graph; replay it
     twice with new q, k, v, storing them into the reference cache ``a`` with the store kernel,

@@ -203,46 +203,48 @@ class MmaFormat:
 
 
 def mma_layout(spec: KernelSpec) -> MmaFormat | None:
-    """How the tensor-core kernel reads this layout, or None where it cannot: head size 128,
-    one key and one value field, no outliers, stored norms plain or "nc"-folded, a rotation
-    diag(s)·H/√128 where keys or values are rotated (every head size 128 rotation of
+    """How the tensor-core kernel reads this layout, or None where it cannot: head size 128 or
+    64, one key and one value field, no outliers, stored norms plain or "nc"-folded, a rotation
+    diag(s)·H/√d where keys or values are rotated (every power-of-two head size rotation of
     quant/rotation.py), keys of 3-bit centroid codes in column-major planes or 4-bit codes of a
     symmetric codebook in token rows, values 4-bit (uniform, or rotated of a symmetric codebook)
     in token rows, or 3-bit (rotated or uniform) in column-major planes — ``turboquant_k3v4_nc``,
     ``turboquant_4bit_nc``, ``turboquant_3bit_nc``, ``tq_k4v3``, ``tq_k3v3``, ``tq_k4v4``,
-    ``tq_k3v4`` — and
-    fp8 keys (unrotated, no rotation needed) with 4-bit uniform values: ``turboquant_k8v4``."""
+    ``tq_k3v4`` — and, at head size 128, fp8 keys (unrotated, no rotation needed) with 4-bit
+    uniform values: ``turboquant_k8v4``. The kernel stores a decode step's new token itself at
+    head size 128 (rotated keys, no padding)."""
     m, kf, vf = spec.layout, spec.key_fields, spec.value_fields
-    if m.d != 128 or len(kf) != 1 or len(vf) != 1 or m.k_nout:
+    d = m.d
+    if d not in (64, 128) or len(kf) != 1 or len(vf) != 1 or m.k_nout:
         return None
     k, v = kf[0], vf[0]
     hadamard = is_signed_hadamard(spec.codec.rotation.float().cpu())
-    if m.k_fp8 and not k.cm and k.g == 128:
+    if m.k_fp8 and not k.cm and k.g == 128 and d == 128:
         keys = 2
     elif not hadamard or m.k_fp8:
         return None
-    elif k.cm and k.lut >= 0 and k.g == 16 and k.bits == 3 and m.k_corr == 1:
+    elif k.cm and k.lut >= 0 and k.g == d // 8 and k.bits == 3 and m.k_corr == 1:
         keys = 0
-    elif (not k.cm and k.lut >= 0 and k.bits == 4 and k.w == 1 and k.g == 64
+    elif (not k.cm and k.lut >= 0 and k.bits == 4 and k.w == 1 and k.g == d // 2
           and m.k_corr in (0, 1) and _symmetric(spec.table[k.lut:k.lut + 16])):
         keys = 1
     else:
         return None
-    if not m.v_tq and v.bits == 4 and v.w == 1 and v.g == 64 and m.v_levels == 15:
+    if not m.v_tq and v.bits == 4 and v.w == 1 and v.g == d // 2 and m.v_levels == 15:
         vals = 0
-    elif (m.v_tq and v.cm and v.bits == 3 and v.g == 16 and v.lut >= 0 and m.v_corr in (0, 1)
+    elif (m.v_tq and v.cm and v.bits == 3 and v.g == d // 8 and v.lut >= 0 and m.v_corr in (0, 1)
           and hadamard):
         vals = 1
-    elif not m.v_tq and v.cm and v.bits == 3 and v.g == 16 and m.v_levels == 7:
+    elif not m.v_tq and v.cm and v.bits == 3 and v.g == d // 8 and m.v_levels == 7:
         vals = 2
-    elif (m.v_tq and not v.cm and v.bits == 4 and v.w == 1 and v.g == 64 and v.lut >= 0
+    elif (m.v_tq and not v.cm and v.bits == 4 and v.w == 1 and v.g == d // 2 and v.lut >= 0
           and m.v_corr in (0, 1) and hadamard and _symmetric(spec.table[v.lut:v.lut + 16])):
         vals = 3
     else:
         return None
     if keys == 2 and vals != 0:  # fp8 keys load in the row values' token order only
         return None
-    return MmaFormat(keys, vals, store=keys != 2 and m.pad_n == 0)
+    return MmaFormat(keys, vals, store=keys != 2 and m.pad_n == 0 and d == 128)
 
 
 def _symmetric(centroids: torch.Tensor) -> bool:

@@ -1,9 +1,9 @@
 """Decode attention on tensor cores with register-resident operands (Gluon, sm_80+).
 
 The tensor-core path of :func:`tqattn.kernels.decode.decode_attention_triton` for the layouts of
-:func:`tqattn.kernels._spec.mma_layout`, head size 128, GQA groups of up to 8 query heads, one
-query row per sequence, no window / soft-cap, in these formats (constexprs KEYS, VALS; MAP,
-the score rows' token order, follows from VALS):
+:func:`tqattn.kernels._spec.mma_layout`, head size 128 or 64 (constexpr D), GQA groups of up to
+8 query heads, one query row per sequence, no window / soft-cap, in these formats (constexprs
+KEYS, VALS; MAP, the score rows' token order, follows from VALS):
 
 * KEYS = VALS = 0, ``turboquant_k3v4_nc``: 3-bit centroid keys in column-major planes, 4-bit
   uniform values in token rows (the description below);
@@ -63,6 +63,13 @@ words whose decoded fp16 pairs form its own ``mma.sync`` fragments — no shared
   range below ~3800 within one token's head vector with 4-bit uniform values, ~1800 with 3-bit
   ones; the Triton kernel, with ``p ≤ 1``, allows 256x more).
 
+Head size 64 (every format but fp8 keys): the same tiles and token orders with half the code
+words per lane — 3-bit keys' words t, t + 4; 4-bit keys' row bytes 8t.. (one int64 per
+token); 4-bit row values' bytes 4g.. (one int32 per token); 3-bit column-major values' word g
+— operands K [64, 64] and Vᵀ [64, 64], row ρ of Vᵀ and of the output coordinate 8·(ρ % 8) +
+ρ // 8, a 64-point transform of the query and of rotated values' output; no fused store (the
+store kernel writes the step's token first). Replayed on CPU in tests/kernels/test_mma_head64.py.
+
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
 programs that the compiled kernel's registers let an SM hold (programs_per_sm). Each split
 takes a fixed range of tiles; the older of the two programs on an SM scheduler runs much
@@ -96,16 +103,18 @@ _PAIR = gl.constexpr(gl.BlockedLayout([1, 2], [32, 1], [1, 1], [1, 0]))  # 16 by
 _MS = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 1, 32], [1, 1, 1], [2, 1, 0]))
 MAX_SPLITS = gl.constexpr(64)
 _QL = gl.constexpr(gl.BlockedLayout([32, 1], [4, 8], [1, 1], [0, 1]))    # [128, 8] query: 32 k each
+_QL64 = gl.constexpr(gl.BlockedLayout([16, 1], [4, 8], [1, 1], [0, 1]))  # [64, 8]: 16 k each
+_MS64 = gl.constexpr(gl.BlockedLayout([1, 1, 2], [1, 1, 32], [1, 1, 1], [2, 1, 0]))
 _ROWS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
 _HEADS = gl.constexpr(gl.SliceLayout(0, _MMA.value))
 
 
 @gluon.jit
-def _wht_stage(x, B: gl.constexpr):
-    """One butterfly of the Walsh–Hadamard transform over bit log2(B) of axis 0 of [128, 8]
-    (the pairs must be in-thread: B ≤ 16 in _QL)."""
-    u, v = gl.split(gl.permute(gl.reshape(x, [128 // (2 * B), 2, B, 8]), [0, 2, 3, 1]))
-    return gl.reshape(gl.permute(gl.join(u + v, u - v), [0, 3, 1, 2]), [128, 8])
+def _wht_stage(x, B: gl.constexpr, N: gl.constexpr = 128):
+    """One butterfly of the Walsh–Hadamard transform over bit log2(B) of axis 0 of [N, 8]
+    (the pairs must be in-thread: B ≤ 16 in _QL, ≤ 8 in _QL64)."""
+    u, v = gl.split(gl.permute(gl.reshape(x, [N // (2 * B), 2, B, 8]), [0, 2, 3, 1]))
+    return gl.reshape(gl.permute(gl.join(u + v, u - v), [0, 3, 1, 2]), [N, 8])
 
 
 @gluon.jit
@@ -126,22 +135,44 @@ def _wht_rows(x):
 
 
 @gluon.jit
-def _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS: gl.constexpr):
-    """The query operand Qᵀ [128, 8] computed from the raw query: R = diag(s)·H/√128
+def _wht_rows64(x):
+    """:func:`_wht_rows` for x [64, 8] in _QL64: bits 0-3 in-thread, bits 4, 5 after one
+    regrouping (k' = 4 (k % 16) + k // 16)."""
+    x = _wht_stage(x, 1, 64)
+    x = _wht_stage(x, 2, 64)
+    x = _wht_stage(x, 4, 64)
+    x = _wht_stage(x, 8, 64)
+    x = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(x, [4, 16, 8]), [1, 0, 2]),
+                                     [64, 8]), _QL64)
+    x = _wht_stage(x, 1, 64)
+    x = _wht_stage(x, 2, 64)
+    return gl.reshape(gl.permute(gl.reshape(x, [16, 4, 8]), [1, 0, 2]), [64, 8])
+
+
+@gluon.jit
+def _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS: gl.constexpr, D: gl.constexpr):
+    """The query operand Qᵀ [D, 8] computed from the raw query: R = diag(s)·H/√D
     with its columns in operand order (a bit permutation σ of the column index, so R[:, σ] =
-    P_σ·diag(s_σ)·H/√128): load q[σ(k)]·s[σ(k)]/√128 (sgn_ptr), Walsh–Hadamard transform in
+    P_σ·diag(s_σ)·H/√D): load q[σ(k)]·s[σ(k)]/√D (sgn_ptr), Walsh–Hadamard transform in
     fp32, times qscale, fp16 — the math of :func:`fused_query_ref`. σ: :func:`operand_coord`
     of the key format."""
-    k = gl.arange(0, 128, layout=gl.SliceLayout(1, _QL))
+    QL: gl.constexpr = _QL if D == 128 else _QL64
+    k = gl.arange(0, D, layout=gl.SliceLayout(1, QL))
     if KEYS == 0:
         sk = (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
-    else:
+    elif D == 128:
         sk = (k & 1) | ((k >> 2) & 0x1E) | ((k << 4) & 0x60)
-    rows = gl.convert_layout(q_rows, gl.SliceLayout(0, _QL))
-    ok = gl.convert_layout(hmask, gl.SliceLayout(0, _QL))
+    else:
+        sk = (k & 1) | ((k >> 2) & 0xE) | ((k << 3) & 0x30)
+    rows = gl.convert_layout(q_rows, gl.SliceLayout(0, QL))
+    ok = gl.convert_layout(hmask, gl.SliceLayout(0, QL))
     x = gl.load(q_ptr + rows[None, :] + sk[:, None], mask=ok[None, :], other=0.0).to(gl.float32)
     if KEYS != 2:  # fp8 keys are not rotated
-        x = _wht_rows(x * gl.load(sgn_ptr + k)[:, None])
+        x = x * gl.load(sgn_ptr + k)[:, None]
+        if D == 128:
+            x = _wht_rows(x)
+        else:
+            x = _wht_rows64(x)
     return gl.convert_layout(x * qscale, _OP_B).to(gl.float16)
 
 
@@ -290,18 +321,21 @@ def _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_
     gl.thread_barrier()
 
 
-def operand_coord(k: torch.Tensor, keys: int = 0) -> torch.Tensor:
-    """Rotated coordinate of operand column k: σ(k) (the kernel writes the same bit operations
-    inline). 3-bit keys (keys 0): swaps bits 1-2 with bits 3-4 (its own inverse); 4-bit keys
-    (keys 1): lane t's 16 row bytes hold coordinates 32t.. (:func:`_key_operand4`)."""
+def operand_coord(k: torch.Tensor, keys: int = 0, d: int = 128) -> torch.Tensor:
+    """Rotated coordinate of operand column k at head size d: σ(k) (the kernel writes the same
+    bit operations inline). 3-bit keys (keys 0): swaps bits 1-2 with bits 3-4 (its own
+    inverse); 4-bit keys (keys 1): lane t's row bytes hold coordinates d/4·t..
+    (:func:`_key_operand4`)."""
     if keys == 0:
         return (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
+    if d == 64:
+        return (k & 1) | ((k >> 2) & 0xE) | ((k << 3) & 0x30)
     return (k & 1) | ((k >> 2) & 0x1E) | ((k << 4) & 0x60)   # keys 1 and fp8 keys (2)
 
 
-def value_row_coord(r: torch.Tensor) -> torch.Tensor:
-    """Coordinate of row ρ of Vᵀ and of the output accumulator: 16·(ρ % 8) + ρ // 8."""
-    return 16 * (r % 8) + r // 8
+def value_row_coord(r: torch.Tensor, d: int = 128) -> torch.Tensor:
+    """Coordinate of row ρ of Vᵀ and of the output accumulator: d/8·(ρ % 8) + ρ // 8."""
+    return d // 8 * (r % 8) + r // 8
 
 
 def _wht128_ref(x: torch.Tensor) -> torch.Tensor:
@@ -388,24 +422,26 @@ def store_new_token_ref(spec, key: torch.Tensor, value: torch.Tensor, kv_cache: 
 
 
 def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float, keys: int = 0) -> torch.Tensor:
-    """PyTorch twin of :func:`_fused_query` for q (rows, 128): the same permuted load and the
-    same butterflies, in the same order → fp16 (rows, 128), equal to fp16((q·R[:, σ])·scale)
-    up to fp32 rounding."""
-    sk = operand_coord(torch.arange(128, device=q.device), keys)
+    """PyTorch twin of :func:`_fused_query` for q (rows, D), D = 128 or 64: the same permuted
+    load and the same butterflies, in the same order → fp16 (rows, D), equal to
+    fp16((q·R[:, σ])·scale) up to fp32 rounding."""
+    d = q.shape[-1]
+    sk = operand_coord(torch.arange(d, device=q.device), keys, d)
     if keys == 2:  # fp8 keys are not rotated: the permuted, scaled query
         return (q.float()[:, sk] * scale).to(torch.float16)
-    x = (q.float()[:, sk] * sgn.to(q.device)).T.contiguous()          # [128, rows] as [k, n]
+    x = (q.float()[:, sk] * sgn.to(q.device)).T.contiguous()          # [D, rows] as [k, n]
     rows = x.shape[1]
+    lanes = d // 4                      # rows held per thread before the regrouping (_QL*)
 
     def stage(x, b):
-        y = x.reshape(128 // (2 * b), 2, b, rows)
-        return torch.stack([y[:, 0] + y[:, 1], y[:, 0] - y[:, 1]], 1).reshape(128, rows)
+        y = x.reshape(d // (2 * b), 2, b, rows)
+        return torch.stack([y[:, 0] + y[:, 1], y[:, 0] - y[:, 1]], 1).reshape(d, rows)
 
-    for b in (1, 2, 4, 8, 16):
+    for b in (1, 2, 4, 8, 16)[:(lanes.bit_length() - 1)]:
         x = stage(x, b)
-    x = x.reshape(4, 32, rows).permute(1, 0, 2).reshape(128, rows)
+    x = x.reshape(4, lanes, rows).permute(1, 0, 2).reshape(d, rows)
     x = stage(stage(x, 1), 2)
-    x = x.reshape(32, 4, rows).permute(1, 0, 2).reshape(128, rows)
+    x = x.reshape(lanes, 4, rows).permute(1, 0, 2).reshape(d, rows)
     return (x * scale).to(torch.float16).T.contiguous()
 
 
@@ -482,25 +518,35 @@ def _parity_word(w, odd):
 
 
 @gluon.jit
-def _key_operand(kw, tab, MAP: gl.constexpr):
-    """K [64 rows, 128 columns] fp16 A operand from the lane's 12 key words (_load_tile); row
+def _key_operand(kw, tab, MAP: gl.constexpr, D: gl.constexpr):
+    """K [64 rows, D columns] fp16 A operand from the lane's key words (_load_tile); row
     g + 8i is token 8g + i (MAP 0) or 16(g // 2) + g % 2 + 2i (MAP 1)."""
     if MAP == 1:
         odd = ((gl.arange(0, 32, layout=_LANE) // 4) % 2) == 1
-        kw = (_parity_word(kw[0], odd), _parity_word(kw[1], odd), _parity_word(kw[2], odd),
-              _parity_word(kw[3], odd), _parity_word(kw[4], odd), _parity_word(kw[5], odd),
-              _parity_word(kw[6], odd), _parity_word(kw[7], odd), _parity_word(kw[8], odd),
-              _parity_word(kw[9], odd), _parity_word(kw[10], odd), _parity_word(kw[11], odd))
+        pw = (_parity_word(kw[0], odd), _parity_word(kw[1], odd), _parity_word(kw[2], odd),
+              _parity_word(kw[3], odd), _parity_word(kw[4], odd), _parity_word(kw[5], odd))
+        if D == 128:
+            pw = pw + (_parity_word(kw[6], odd), _parity_word(kw[7], odd),
+                       _parity_word(kw[8], odd), _parity_word(kw[9], odd),
+                       _parity_word(kw[10], odd), _parity_word(kw[11], odd))
+        kw = pw
     l0, h0 = _key_calls(kw, 0, tab)
     l1, h1 = _key_calls(kw, 1, tab)
-    l2, h2 = _key_calls(kw, 2, tab)
-    l3, h3 = _key_calls(kw, 3, tab)
-    x = gl.join(_j4(l0, l1, l2, l3), _j4(h0, h1, h2, h3))
-    # [lane, e0, e1, p0, p1, m0, m1, r7] → halves → [g, t, e0, e1, p0, p1, m0, m1, r7, h]
-    x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
-    # row = g + 8 e0 + 16 e1 + 32 r7; column = h + 2t + 8 p0 + 16 p1 + 32 m0 + 64 m1
-    x = gl.permute(x, [8, 3, 2, 0, 7, 6, 5, 4, 1, 9])
-    return gl.convert_layout(gl.reshape(x, [64, 128]), _OP_A)
+    if D == 128:
+        l2, h2 = _key_calls(kw, 2, tab)
+        l3, h3 = _key_calls(kw, 3, tab)
+        x = gl.join(_j4(l0, l1, l2, l3), _j4(h0, h1, h2, h3))
+        # [lane, e0, e1, p0, p1, m0, m1, r7] → halves → [g, t, e0, e1, p0, p1, m0, m1, r7, h]
+        x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
+        # row = g + 8 e0 + 16 e1 + 32 r7; column = h + 2t + 8 p0 + 16 p1 + 32 m0 + 64 m1
+        x = gl.permute(x, [8, 3, 2, 0, 7, 6, 5, 4, 1, 9])
+    else:
+        x = gl.join(gl.join(l0, l1), gl.join(h0, h1))
+        # [lane, e0, e1, p0, p1, m0, r7] → halves → [g, t, e0, e1, p0, p1, m0, r7, h]
+        x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2])
+        # row = g + 8 e0 + 16 e1 + 32 r7; column = h + 2t + 8 p0 + 16 p1 + 32 m0
+        x = gl.permute(x, [7, 3, 2, 0, 6, 5, 4, 1, 8])
+    return gl.convert_layout(gl.reshape(x, [64, D]), _OP_A)
 
 
 @gluon.jit
@@ -536,18 +582,31 @@ def _value_calls(vw, j: gl.constexpr, tab, LUT: gl.constexpr):
 
 
 @gluon.jit
-def _value_operand(vw, tab, LUT: gl.constexpr):
-    """Vᵀ [128 rows, 64 columns] fp16 A operand from the lane's 16 value words (_load_tile):
+def _value_operand(vw, tab, LUT: gl.constexpr, D: gl.constexpr):
+    """Vᵀ [D rows, 64 columns] fp16 A operand from the lane's 16 value words (_load_tile):
     uniform codes, or with LUT rotated codes through the table words tab."""
-    x = gl.join(_j4(_value_calls(vw, 0, tab, LUT), _value_calls(vw, 1, tab, LUT),
-                    _value_calls(vw, 2, tab, LUT), _value_calls(vw, 3, tab, LUT)),
-                _j4(_value_calls(vw, 4, tab, LUT), _value_calls(vw, 5, tab, LUT),
-                    _value_calls(vw, 6, tab, LUT), _value_calls(vw, 7, tab, LUT)))
-    # [lane, nib, b0, b1, w, j0, j1, j2] → halves → [g, t, nib, b0, b1, w, j0, j1, j2, h]
-    x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
-    # row = g + 8 nib + 16 b0 + 32 b1 + 64 w; column = h + 2t + 8 j0 + 16 j1 + 32 j2
-    x = gl.permute(x, [5, 4, 3, 2, 0, 8, 7, 6, 1, 9])
-    return gl.convert_layout(gl.reshape(x, [128, 64]), _OP_A)
+    if D == 128:
+        x = gl.join(_j4(_value_calls(vw, 0, tab, LUT), _value_calls(vw, 1, tab, LUT),
+                        _value_calls(vw, 2, tab, LUT), _value_calls(vw, 3, tab, LUT)),
+                    _j4(_value_calls(vw, 4, tab, LUT), _value_calls(vw, 5, tab, LUT),
+                        _value_calls(vw, 6, tab, LUT), _value_calls(vw, 7, tab, LUT)))
+        # [lane, nib, b0, b1, w, j0, j1, j2] → halves → [g, t, nib, b0, b1, w, j0, j1, j2, h]
+        x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
+        # row = g + 8 nib + 16 b0 + 32 b1 + 64 w; column = h + 2t + 8 j0 + 16 j1 + 32 j2
+        x = gl.permute(x, [5, 4, 3, 2, 0, 8, 7, 6, 1, 9])
+    else:
+        # int32 words: tokens 16t + j (vw[2j]) and 16t + 8 + j (vw[2j + 1]), bytes 4g..4g+3
+        x = gl.join(_j4(_j8(_pairs4(vw[0], vw[1], tab, LUT)), _j8(_pairs4(vw[2], vw[3], tab, LUT)),
+                        _j8(_pairs4(vw[4], vw[5], tab, LUT)), _j8(_pairs4(vw[6], vw[7], tab, LUT))),
+                    _j4(_j8(_pairs4(vw[8], vw[9], tab, LUT)),
+                        _j8(_pairs4(vw[10], vw[11], tab, LUT)),
+                        _j8(_pairs4(vw[12], vw[13], tab, LUT)),
+                        _j8(_pairs4(vw[14], vw[15], tab, LUT))))
+        # [lane, nib, b0, b1, j0, j1, j2] → halves → [g, t, nib, b0, b1, j0, j1, j2, h]
+        x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2])
+        # row = g + 8 nib + 16 b0 + 32 b1; column = h + 2t + 8 j0 + 16 j1 + 32 j2
+        x = gl.permute(x, [4, 3, 2, 0, 7, 6, 5, 1, 8])
+    return gl.convert_layout(gl.reshape(x, [D, 64]), _OP_A)
 
 
 @gluon.jit
@@ -572,17 +631,36 @@ def _key_row4(lo, hi, tab):
 
 
 @gluon.jit
-def _key_operand4(kw, tab):
-    """K [64 rows, 128 columns] fp16 A operand of 4-bit row keys (:func:`_load_keys4`): row
-    g + 8j is the lane's token j, column e + 2t + 8r + 32q its byte 4q + r's nibble e."""
-    x = _j8((_key_row4(kw[0], kw[1], tab), _key_row4(kw[2], kw[3], tab),
-             _key_row4(kw[4], kw[5], tab), _key_row4(kw[6], kw[7], tab),
-             _key_row4(kw[8], kw[9], tab), _key_row4(kw[10], kw[11], tab),
-             _key_row4(kw[12], kw[13], tab), _key_row4(kw[14], kw[15], tab)))
-    # [lane, r0, r1, q0, q1, j0, j1, j2] → halves → [g, t, r0, r1, q0, q1, j0, j1, j2, e]
-    x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
-    x = gl.permute(x, [8, 7, 6, 0, 5, 4, 3, 2, 1, 9])
-    return gl.convert_layout(gl.reshape(x, [64, 128]), _OP_A)
+def _key_row4_8(w, tab):
+    """One token's 8 row bytes (int64: 16 4-bit codes) → [32, r0, r1, q0] fp16 pairs of byte
+    4q + r."""
+    a0, a1 = _lo_hi(w)
+    o0 = _lut4(a0, tab)
+    o1 = _lut4(a1, tab)
+    return gl.join(_j4(o0[0], o0[1], o0[2], o0[3]), _j4(o1[0], o1[1], o1[2], o1[3]))
+
+
+@gluon.jit
+def _key_operand4(kw, tab, D: gl.constexpr):
+    """K [64 rows, D columns] fp16 A operand of 4-bit row keys (:func:`_load_keys4`): row
+    g + 8j is the lane's token j, column e + 2t + 8r + 32q its byte 4q + r's nibble e (of its
+    bytes 16t.. at head size 128, 8t.. at 64)."""
+    if D == 128:
+        x = _j8((_key_row4(kw[0], kw[1], tab), _key_row4(kw[2], kw[3], tab),
+                 _key_row4(kw[4], kw[5], tab), _key_row4(kw[6], kw[7], tab),
+                 _key_row4(kw[8], kw[9], tab), _key_row4(kw[10], kw[11], tab),
+                 _key_row4(kw[12], kw[13], tab), _key_row4(kw[14], kw[15], tab)))
+        # [lane, r0, r1, q0, q1, j0, j1, j2] → halves → [g, t, r0, r1, q0, q1, j0, j1, j2, e]
+        x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
+        x = gl.permute(x, [8, 7, 6, 0, 5, 4, 3, 2, 1, 9])
+    else:
+        x = _j8((_key_row4_8(kw[0], tab), _key_row4_8(kw[1], tab), _key_row4_8(kw[2], tab),
+                 _key_row4_8(kw[3], tab), _key_row4_8(kw[4], tab), _key_row4_8(kw[5], tab),
+                 _key_row4_8(kw[6], tab), _key_row4_8(kw[7], tab)))
+        # [lane, r0, r1, q0, j0, j1, j2] → halves → [g, t, r0, r1, q0, j0, j1, j2, e]
+        x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2])
+        x = gl.permute(x, [7, 6, 5, 0, 4, 3, 2, 1, 8])
+    return gl.convert_layout(gl.reshape(x, [64, D]), _OP_A)
 
 
 @gluon.jit
@@ -649,14 +727,20 @@ def _value_word3(vw, W: gl.constexpr, tab):
 
 
 @gluon.jit
-def _value_operand3(vw, tab):
-    """Vᵀ [128 rows, 64 columns] fp16 A operand of 3-bit column-major values: row g + 8i is
-    coordinate 16g + i, column e + 2t + 8h + 16kb token 16t + 4kb + 2h + e."""
-    x = gl.join(_value_word3(vw, 0, tab), _value_word3(vw, 1, tab))
-    # [lane, h, c0, c1, c2, kb0, kb1, w] → halves → [g, t, h, c0, c1, c2, kb0, kb1, w, e]
-    x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
-    x = gl.permute(x, [8, 5, 4, 3, 0, 7, 6, 2, 1, 9])
-    return gl.convert_layout(gl.reshape(x, [128, 64]), _OP_A)
+def _value_operand3(vw, tab, D: gl.constexpr):
+    """Vᵀ [D rows, 64 columns] fp16 A operand of 3-bit column-major values: row g + 8i is
+    coordinate 16g + i (head size 64: 8g + i), column e + 2t + 8h + 16kb token 16t + 4kb + 2h
+    + e."""
+    if D == 128:
+        x = gl.join(_value_word3(vw, 0, tab), _value_word3(vw, 1, tab))
+        # [lane, h, c0, c1, c2, kb0, kb1, w] → halves → [g, t, h, c0, c1, c2, kb0, kb1, w, e]
+        x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
+        x = gl.permute(x, [8, 5, 4, 3, 0, 7, 6, 2, 1, 9])
+    else:
+        # [lane, h, c0, c1, c2, kb0, kb1] → halves → [g, t, h, c0, c1, c2, kb0, kb1, e]
+        x = gl.reshape(_halves(_value_word3(vw, 0, tab)), [8, 4, 2, 2, 2, 2, 2, 2, 2])
+        x = gl.permute(x, [5, 4, 3, 0, 7, 6, 2, 1, 8])
+    return gl.convert_layout(gl.reshape(x, [D, 64]), _OP_A)
 
 
 @gluon.jit
@@ -742,19 +826,21 @@ def _scalars16(t, pages, page0, lane, sc_b, BS: gl.constexpr, OFF: gl.constexpr)
 
 @gluon.jit
 def _load_keys(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
-               KN_OFF: gl.constexpr, MAP: gl.constexpr):
-    """The lane's key words of tile t (pages: :func:`_pages` of t): 12 code words of its
-    tokens 8g.. and the words of its fp16 key norms — of those 8 tokens (MAP 0: 2 words) or of
-    tokens 16(g // 2) + 0..15 (MAP 1: 4 words; :func:`_key_operand` trades the code words'
-    tokens)."""
+               KN_OFF: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
+    """The lane's key words of tile t (pages: :func:`_pages` of t): the three sub-plane words
+    of code words t, t + 4, .. (12 at head size 128, 6 at 64) of its tokens 8g.. and the words
+    of its fp16 key norms — of those 8 tokens (MAP 0: 2 words) or of tokens 16(g // 2) + 0..15
+    (MAP 1: 4 words; :func:`_key_operand` trades the code words' tokens)."""
     tg = t * TILE + 8 * (lane // 4)
     pg = page0 + pages[0].to(gl.int64) * sc_b
     kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
-    kw = (gl.load(kb), gl.load(kb + 2 * BS), gl.load(kb + 4 * BS),
-          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + 2 * BS),
-          gl.load(kb + BS // 2 + 4 * BS), gl.load(kb + BS), gl.load(kb + 3 * BS),
-          gl.load(kb + 5 * BS), gl.load(kb + 3 * BS // 2),
-          gl.load(kb + 7 * BS // 2), gl.load(kb + 11 * BS // 2))
+    SP: gl.constexpr = D // 64 * BS  # int64 words from one sub-plane to the next
+    kw = (gl.load(kb), gl.load(kb + SP), gl.load(kb + 2 * SP),
+          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + SP), gl.load(kb + BS // 2 + 2 * SP))
+    if D == 128:
+        kw = kw + (gl.load(kb + BS), gl.load(kb + BS + SP), gl.load(kb + BS + 2 * SP),
+                   gl.load(kb + 3 * BS // 2), gl.load(kb + 3 * BS // 2 + SP),
+                   gl.load(kb + 3 * BS // 2 + 2 * SP))
     if MAP == 1:
         kn = _scalars16(t, pages, page0, lane, sc_b, BS, KN_OFF)
     else:
@@ -766,14 +852,19 @@ def _load_keys(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexp
 
 @gluon.jit
 def _load_values(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
-                 VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr):
-    """The lane's value words of tile t: 16 code words, and 2 words each of the fp16 scales
-    and zero points of its score rows (tokens 8g.., in the key row's page)."""
+                 VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, D: gl.constexpr):
+    """The lane's value words of tile t: row bytes D/16·g.. of its 16 tokens 16t.. (16 words,
+    token j's and j + 8's in words 2j, 2j + 1: int64 at head size 128, int32 at 64), and 2
+    words each of the fp16 scales and zero points of its score rows (tokens 8g.., in the key
+    row's page)."""
     tg = t * TILE + 8 * (lane // 4)
     tt = t * TILE + 16 * (lane % 4)
     pg = page0 + pages[0].to(gl.int64) * sc_b
     pv = page0 + pages[1].to(gl.int64) * sc_b
-    vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
+    if D == 128:
+        vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
+    else:
+        vb = (pv + V_OFF + 32 * (tt % BS) + 4 * (lane // 4)).to(gl.pointer_type(gl.int32))
     vw = (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
           gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
           gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
@@ -785,12 +876,14 @@ def _load_values(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.conste
 
 @gluon.jit
 def _load_keys4(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
-                KN_OFF: gl.constexpr, MAP: gl.constexpr):
-    """4-bit row keys: the lane's 16 row bytes 16t.. of its 8 tokens (16 int64: token j's in
-    words 2j, 2j + 1) and the words of their fp16 key norms. MAP 1: tokens 16(g // 2) + g % 2 +
-    2j, the 4 norm words of tokens 16(g // 2) + 0..15; MAP 0 (the order 4-bit uniform values
-    fix): tokens 8g + j, the 2 norm words of those 8 tokens."""
-    step: gl.constexpr = 8 + 8 * MAP   # int64 words from token j to j + 1: one or two rows
+                KN_OFF: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
+    """4-bit row keys: the lane's row bytes of its 8 tokens — at head size 128 bytes 16t..
+    (16 int64: token j's in words 2j, 2j + 1), at 64 bytes 8t.. (8 int64: token j's in word
+    j) — and the words of their fp16 key norms. MAP 1: tokens 16(g // 2) + g % 2 + 2j, the 4
+    norm words of tokens 16(g // 2) + 0..15; MAP 0 (the order 4-bit uniform values fix):
+    tokens 8g + j, the 2 norm words of those 8 tokens."""
+    ROW: gl.constexpr = D // 16          # int64 words per token row
+    step: gl.constexpr = ROW * (1 + MAP)  # int64 words from token j to j + 1: one or two rows
     if MAP == 0:
         tg = t * TILE + 8 * (lane // 4)
         first = tg % BS
@@ -798,16 +891,21 @@ def _load_keys4(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constex
         tg = t * TILE + 16 * (lane // 8)
         first = (tg % BS) + (lane // 4) % 2
     pg = page0 + pages[0].to(gl.int64) * sc_b
-    kb = (pg + K_OFF + first * 64 + 16 * (lane % 4)).to(gl.pointer_type(gl.int64))
-    a0, a1 = _load16(kb)
-    b0, b1 = _load16(kb + step)
-    c0, c1 = _load16(kb + 2 * step)
-    d0, d1 = _load16(kb + 3 * step)
-    e0, e1 = _load16(kb + 4 * step)
-    f0, f1 = _load16(kb + 5 * step)
-    g0, g1 = _load16(kb + 6 * step)
-    h0, h1 = _load16(kb + 7 * step)
-    kw = (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1, g0, g1, h0, h1)
+    kb = (pg + K_OFF + first * (D // 2) + (D // 8) * (lane % 4)).to(gl.pointer_type(gl.int64))
+    if D == 128:
+        a0, a1 = _load16(kb)
+        b0, b1 = _load16(kb + step)
+        c0, c1 = _load16(kb + 2 * step)
+        d0, d1 = _load16(kb + 3 * step)
+        e0, e1 = _load16(kb + 4 * step)
+        f0, f1 = _load16(kb + 5 * step)
+        g0, g1 = _load16(kb + 6 * step)
+        h0, h1 = _load16(kb + 7 * step)
+        kw = (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1, g0, g1, h0, h1)
+    else:
+        kw = (gl.load(kb), gl.load(kb + step), gl.load(kb + 2 * step), gl.load(kb + 3 * step),
+              gl.load(kb + 4 * step), gl.load(kb + 5 * step), gl.load(kb + 6 * step),
+              gl.load(kb + 7 * step))
     if MAP == 0:
         kn = _load16((pg + KN_OFF + 2 * (tg % BS)).to(gl.pointer_type(gl.int64)))
     else:
@@ -844,29 +942,35 @@ def _load_keys8(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constex
 
 
 @gluon.jit
-def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr):
+def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
+                  D: gl.constexpr):
     """3-bit column-major values (MAP 1): sub-plane s of code words 2g + w (at (16s + 2g + w)·BS
-    in the plane) for the lane's 16 tokens 16t.. (12 int64: word 6w + 2s + u holds tokens
-    16t + 8u + 0..7)."""
+    in the plane; head size 64: of code word g, at (8s + g)·BS) for the lane's 16 tokens 16t..
+    (12 int64, 6 at 64: word 6w + 2s + u holds tokens 16t + 8u + 0..7)."""
     tt = t * TILE + 16 * (lane % 4)
     pv = page0 + pages[1].to(gl.int64) * sc_b
-    vb = (pv + V_OFF + (tt % BS) + 2 * (lane // 4) * BS).to(gl.pointer_type(gl.int64))
+    SP: gl.constexpr = D // 64 * BS  # int64 words from one sub-plane to the next
+    vb = (pv + V_OFF + (tt % BS) + (D // 64) * (lane // 4) * BS).to(gl.pointer_type(gl.int64))
     a0, a1 = _load16(vb)
-    b0, b1 = _load16(vb + 2 * BS)
-    c0, c1 = _load16(vb + 4 * BS)
-    d0, d1 = _load16(vb + BS // 8)
-    e0, e1 = _load16(vb + BS // 8 + 2 * BS)
-    f0, f1 = _load16(vb + BS // 8 + 4 * BS)
-    return (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1)
+    b0, b1 = _load16(vb + SP)
+    c0, c1 = _load16(vb + 2 * SP)
+    if D == 128:
+        d0, d1 = _load16(vb + BS // 8)
+        e0, e1 = _load16(vb + BS // 8 + SP)
+        f0, f1 = _load16(vb + BS // 8 + 2 * SP)
+        vw = (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1)
+    else:
+        vw = (a0, a1, b0, b1, c0, c1)
+    return vw
 
 
 @gluon.jit
 def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
-            KN_OFF: gl.constexpr, KEYS: gl.constexpr, MAP: gl.constexpr):
+            KN_OFF: gl.constexpr, KEYS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
     if KEYS == 0:
-        kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP)
+        kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
     elif KEYS == 1:
-        kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP)
+        kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
     else:
         kw, kn = _load_keys8(t, pages, page0, lane, sc_b, BS, K_OFF)
     return kw, kn
@@ -874,15 +978,15 @@ def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
 
 @gluon.jit
 def _load_v(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
-            VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, VALS: gl.constexpr):
+            VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, VALS: gl.constexpr, D: gl.constexpr):
     """Value words and their scalars: (scales, zero points) for uniform values (VALS 0, 2),
     (norms, norms) for rotated ones (VALS 1, 3; VS_OFF: the norms' plane, VZ_OFF unused)."""
     if VALS == 0:
-        vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF)
+        vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, D)
     elif VALS == 3:
-        vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VS_OFF)
+        vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VS_OFF, D)
     else:
-        vw = _load_values3(t, pages, page0, lane, sc_b, BS, V_OFF)
+        vw = _load_values3(t, pages, page0, lane, sc_b, BS, V_OFF, D)
         vs = _scalars16(t, pages, page0, lane, sc_b, BS, VS_OFF)
         if VALS == 2:
             vz = _scalars16(t, pages, page0, lane, sc_b, BS, VZ_OFF)
@@ -894,12 +998,13 @@ def _load_v(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
 @gluon.jit
 def _load_tile(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
                KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
-               VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr):
+               VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr,
+               D: gl.constexpr):
     """The lane's raw words of tile t (pages: :func:`_pages` of t): key words, value words and
     the words of their fp16 scalars. Pages hold >= 16 tokens and tiles start at page
     boundaries, so each lane reads one page per role."""
-    kw, kn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP)
-    vw, vs, vz = _load_v(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS)
+    kw, kn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, D)
+    vw, vs, vz = _load_v(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS, D)
     return kw, vw, (kn, vs, vz)
 
 
@@ -912,13 +1017,13 @@ def _lane_sums(x):
 
 @gluon.jit
 def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr, KEYS: gl.constexpr,
-            MAP: gl.constexpr):
+            MAP: gl.constexpr, D: gl.constexpr):
     """A tile's scores (log2 units) from its key words (rows in the token order MAP);
     MASKED: -inf past the sequence."""
     if KEYS == 0:
-        ka = _key_operand(kw, tab, MAP)
+        ka = _key_operand(kw, tab, MAP, D)
     elif KEYS == 1:
-        ka = _key_operand4(kw, tab)
+        ka = _key_operand4(kw, tab, D)
     else:
         ka = _key_operand8(kw)
     s = mma_v2(ka, qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
@@ -931,7 +1036,7 @@ def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr, KEYS: gl.co
 
 @gluon.jit
 def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED: gl.constexpr,
-            VALS: gl.constexpr, MAP: gl.constexpr):
+            VALS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
     """Online softmax of a tile's scores (rescaled only when a head's running max grows by
     more than 8 in log2 units, so p ≤ 256) and P·V from its value words (VALS 1, 3: rotated
     values, their norms in svs, no zero points)."""
@@ -960,20 +1065,20 @@ def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED: 
     if UNIFORM:
         z_p = z_p + _lane_sums(p * vz)
     if VALS == 0 or VALS == 3:
-        acc = mma_v2(_value_operand(vw, tabv, VALS == 3), pb, acc)
+        acc = mma_v2(_value_operand(vw, tabv, VALS == 3, D), pb, acc)
     else:
-        acc = mma_v2(_value_operand3(vw, tabv), pb, acc)
+        acc = mma_v2(_value_operand3(vw, tabv, D), pb, acc)
     return m_i, l_p, z_p, acc
 
 
 @gluon.jit
 def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv, tau, MASKED: gl.constexpr,
-          KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr):
+          KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
     """One 64-token tile from its raw words (:func:`_load_tile`). MASKED: the sequence's last,
     partial tile."""
-    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED, KEYS, MAP)
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED, KEYS, MAP, D)
     return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED, VALS,
-                   MAP)
+                   MAP, D)
 
 
 @gluon.jit
@@ -987,10 +1092,12 @@ def _l2_page(tp, limit, seq_len, bt_row, lane, BS: gl.constexpr):
 
 
 @gluon.jit
-def _l2_prefetch(page, page0, sc_b, sc_h, lane, BS: gl.constexpr):
+def _l2_prefetch(page, page0, sc_b, sc_h, lane, BS: gl.constexpr, D: gl.constexpr):
     """L2 prefetch of the lane's two 128-byte lines of its (page, KV head) block (sc_h bytes)
     where page >= 0."""
     off = (lane % (32 * BS // TILE)) * 256
+    if D != 128:  # a smaller block: the lanes past its end prefetch nothing
+        page = gl.where(off < sc_h, page, -1)
     return gl.inline_asm_elementwise(
         "{ .reg .pred p, q; setp.ge.s32 p, $1, 0; setp.lt.and.s32 q, $3, $4, p; mov.u32 $0, 0; "
         "@p prefetch.global.L2 [$2]; @q prefetch.global.L2 [$2+128]; }",
@@ -1018,15 +1125,15 @@ def _bcast(x):
 def _step(kw, vw, sc, t, tn, pages, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv, tau, page0, lane,
           sc_b, BS: gl.constexpr, K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
           VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr,
-          MAP: gl.constexpr):
+          MAP: gl.constexpr, D: gl.constexpr):
     """Full tile t from its words, and the words of tile tn (pages: its page indices) loaded
     during t, each role's as soon as t's words of that role are consumed."""
-    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False, KEYS, MAP)
-    kw, skn = _load_k(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP)
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False, KEYS, MAP, D)
+    kw, skn = _load_k(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, D)
     gl.thread_barrier()
     m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, tabv,
-                                 False, VALS, MAP)
-    vw, svs, svz = _load_v(tn, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS)
+                                 False, VALS, MAP, D)
+    vw, svs, svz = _load_v(tn, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS, D)
     gl.thread_barrier()
     return m_i, l_p, z_p, acc, kw, vw, (skn, svs, svz)
 
@@ -1039,35 +1146,37 @@ def _warpid():
 
 @gluon.jit
 def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s, spl_r, spl_h,
-                 so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr):
+                 so_r, so_h, sl_r, NUM_SPLITS, GROUP: gl.constexpr, WRITE_LSE: gl.constexpr,
+                 D: gl.constexpr):
     """The group's split outputs → its final rows (the math of decode._merge_kernel). It runs
     on the critical path's tail: STEP splits per L2 round trip (their LSEs and parts loaded
     together), merged online with a running max per head; every lane loads the LSEs itself, so
     the max needs no cross-lane reduction."""
     HP: gl.constexpr = 4 if GROUP <= 4 else 8  # a part's rows held per lane: 16 or 32 fp32
     STEP: gl.constexpr = 32 // HP
-    L2D: gl.constexpr = gl.SliceLayout(2, _MS)   # [STEP, HP]
-    P2: gl.constexpr = gl.SliceLayout(0, _MS)    # [HP, 128]
+    MS: gl.constexpr = _MS if D == 128 else _MS64
+    L2D: gl.constexpr = gl.SliceLayout(2, MS)    # [STEP, HP]
+    P2: gl.constexpr = gl.SliceLayout(0, MS)     # [HP, D]
     LH: gl.constexpr = gl.SliceLayout(0, L2D)
     RH: gl.constexpr = gl.SliceLayout(1, P2)
     jj = gl.arange(0, STEP, layout=gl.SliceLayout(1, L2D))
     hh = gl.arange(0, HP, layout=LH)
     hr = gl.arange(0, HP, layout=RH)
-    dd = gl.arange(0, 128, layout=gl.SliceLayout(0, P2))
+    dd = gl.arange(0, D, layout=gl.SliceLayout(0, P2))
     hm = hh < GROUP
     lp = plse_ptr + b.to(gl.int64) * spl_r + (kvh * GROUP + hh) * spl_h
-    # part strides come in rows of 128 fp32, so the compiler sees 16-byte aligned rows
-    pp = po_ptr + ((b.to(gl.int64) * spo_r + (kvh * GROUP + hr) * spo_h) * 128)[:, None] + \
+    # part strides come in rows of D fp32, so the compiler sees aligned rows
+    pp = po_ptr + ((b.to(gl.int64) * spo_r + (kvh * GROUP + hr) * spo_h) * D)[:, None] + \
         dd[None, :]
     m = gl.full([HP], -1.0e30, gl.float32, layout=LH)
     tot = gl.zeros([HP], gl.float32, layout=LH)
-    acc = gl.zeros([HP, 128], gl.float32, layout=P2)
+    acc = gl.zeros([HP, D], gl.float32, layout=P2)
     # every split wrote its part (zeros and LSE −inf when it had no tokens)
     for s0 in range(0, NUM_SPLITS, STEP):
         sj = s0 + jj
         ok = (sj < NUM_SPLITS)[:, None] & hm[None, :]
         lse_j = gl.load(lp[None, :] + sj[:, None], mask=ok, other=float("-inf"))
-        x = gl.load(pp[None, :, :] + (sj.to(gl.int64) * spo_s * 128)[:, None, None],
+        x = gl.load(pp[None, :, :] + (sj.to(gl.int64) * spo_s * D)[:, None, None],
                     mask=ok[:, :, None], other=0.0)
         m_new = gl.maximum(m, gl.max(lse_j, axis=0))
         alpha = gl.exp(m - m_new)
@@ -1106,7 +1215,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        STORE: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr,
                        V_LUT: gl.constexpr, V_BND: gl.constexpr, K_FOLD: gl.constexpr,
                        V_FOLD: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr,
-                       MAP: gl.constexpr):
+                       MAP: gl.constexpr, D: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     groups = gl.num_programs(0)
@@ -1163,11 +1272,11 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # page indices run a tile ahead of the words, so a block-table miss never waits in line
     # before a tile's word loads
     kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, MAP), page0, lane, sc_b,
-                            BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS, MAP)
+                            BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS, MAP, D)
     pages = _pages(t0 + 1, seq_len, bt_row, lane, BS, MAP)
     hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
     q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
-    qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, KEYS)
+    qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, KEYS, D)
     if STORE:
         # the step's new token, stored by the last split (it reads the sequence's last tile
         # last) while the first tile's words are in flight; read again if that tile is the last
@@ -1179,13 +1288,13 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
             if t0 == n_tiles - 1:
                 kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, MAP), page0, lane,
                                         sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
-                                        VALS, MAP)
+                                        VALS, MAP, D)
 
     # a finite "-inf": the first tile always takes the rescale branch (alpha = 0)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
     l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
     z_p = l_p
-    acc = gl.zeros([128, 8], gl.float32, layout=_MMA)
+    acc = gl.zeros([D, 8], gl.float32, layout=_MMA)
     # the words of the next tile are in flight while a tile is computed, each role's loaded once
     # the current tile's words of that role are consumed (keys after the scores, values after
     # P·V), with the page indices a tile further ahead, so the loads wait for nothing. The
@@ -1194,16 +1303,16 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     # split's last tile are loaded once its other tiles are done.
     pf = _l2_page(t0 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
     for t in range(t0, t_mid):
-        _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS)
+        _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, D)
         m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len, m_i, l_p,
                                                z_p, acc, qb, tab, tabv, tau, page0, lane, sc_b,
                                                BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
-                                               VALS, MAP)
+                                               VALS, MAP, D)
         pages = _pages(t + 2, seq_len, bt_row, lane, BS, MAP)
         pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
     if t_mid < t1:  # the last split: the sequence's partial last tile
         m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv,
-                                   tau, True, KEYS, VALS, MAP)
+                                   tau, True, KEYS, VALS, MAP, D)
 
     l_i = gl.convert_layout(gl.sum(l_p, axis=0), _HEADS)
     has = l_i > 0.0
@@ -1211,15 +1320,19 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     lse = gl.where(has, m_i * 0.6931471805599453 + gl.log(gl.where(has, l_i, 1.0)),
                    float("-inf"))
     heads = gl.arange(0, 8, layout=_HEADS)
-    dims = gl.arange(0, 128, layout=gl.SliceLayout(1, _MMA))
-    dim = 16 * (dims % 8) + dims // 8
+    dims = gl.arange(0, D, layout=gl.SliceLayout(1, _MMA))
+    dim = (D // 8) * (dims % 8) + dims // 8
     if VALS == 0 or VALS == 2:
         z = gl.convert_layout(gl.sum(z_p, axis=0), _HEADS) * inv
         o = acc * inv[None, :] + z[None, :]
     else:
-        # rotated values: o = õ·Rᵀ, i.e. row ρ of the output is s[dim]/√128 · (H·õ)[ρ] (a bit
+        # rotated values: o = õ·Rᵀ, i.e. row ρ of the output is s[dim]/√D · (H·õ)[ρ] (a bit
         # permutation of the coordinates leaves H unchanged); splits merge linearly after it
-        o = gl.convert_layout(_wht_rows(gl.convert_layout(acc * inv[None, :], _QL)), _MMA)
+        if D == 128:
+            o = gl.convert_layout(_wht_rows(gl.convert_layout(acc * inv[None, :], _QL)), _MMA)
+        else:
+            o = gl.convert_layout(_wht_rows64(gl.convert_layout(acc * inv[None, :], _QL64)),
+                                  _MMA)
         o = o * gl.load(osgn_ptr + dims)[:, None]
     if NUM_SPLITS == 1:  # the group's only split: its rows are final
         orow = b.to(gl.int64) * so_r + (kvh * GROUP + heads) * so_h
@@ -1229,7 +1342,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
             gl.store(lse_ptr + b.to(gl.int64) * sl_r + kvh * GROUP + heads, lse,
                      mask=heads < GROUP)
     else:
-        po = (b.to(gl.int64) * spo_r + (kvh * GROUP + heads) * spo_h + split * spo_s) * 128
+        po = (b.to(gl.int64) * spo_r + (kvh * GROUP + heads) * spo_h + split * spo_s) * D
         gl.store(po_ptr + po[None, :] + dim[:, None], o, mask=(heads < GROUP)[None, :])
         gl.store(plse_ptr + b * spl_r + (kvh * GROUP + heads) * spl_h + split, lse,
                  mask=heads < GROUP)
@@ -1241,7 +1354,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         if done == NUM_SPLITS - 1:
             gl.store(count_ptr + pid, 0)
             _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s,
-                         spl_r, spl_h, so_r, so_h, sl_r, NUM_SPLITS, GROUP, WRITE_LSE)
+                         spl_r, spl_h, so_r, so_h, sl_r, NUM_SPLITS, GROUP, WRITE_LSE, D)
             if ASSIGN:
                 # the last group merged: every program has taken its position; the arrival
                 # counters are left at 0 for the next call
@@ -1271,7 +1384,7 @@ def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
     lse_arg = lse if lse is not None else plse
     args = (q, q.stride(0), q.stride(1), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
             block_table, block_table.stride(0), seq_lens,
-            part, part.stride(0) // 128, part.stride(1) // 128, part.stride(2) // 128,
+            part, part.stride(0) // m.d, part.stride(1) // m.d, part.stride(2) // m.d,
             plse, plse.stride(0), plse.stride(1), tab,
             out, out.stride(0), out.stride(1), lse_arg, lse_arg.stride(0),
             _counters(q.device, groups + 3), num_splits, sgn, float(scale) * 1.4426950408889634)
@@ -1299,7 +1412,8 @@ def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
                 V_FOLD=m.v_corr == 1, KEYS=fmt.keys, VALS=fmt.vals, MAP=fmt.token_map,
                 ASSIGN=num_splits > 1,
                 n_older=min(groups * num_splits, OLDER_PER_SM * num_sms(q.device)),
-                w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1], num_warps=1, maxnreg=MAXNREG)
+                w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1], D=m.d, num_warps=1,
+                maxnreg=MAXNREG)
     return args, meta
 
 
@@ -1338,8 +1452,9 @@ def launch(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group
     scratch; out (rows, Hq, D) and lse (rows, Hq) or None receive the merged result."""
     if out.stride(-1) != 1:
         raise ValueError(f"out must have a contiguous last dimension, strides {out.stride()}")
-    if part.stride(-1) != 1 or any(x % 128 for x in part.stride()[:3]):
-        raise ValueError(f"part: rows of 128 contiguous fp32 expected, strides {part.stride()}")
+    d = spec.layout.d
+    if part.stride(-1) != 1 or any(x % d for x in part.stride()[:3]):
+        raise ValueError(f"part: rows of {d} contiguous fp32 expected, strides {part.stride()}")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits}: the tensor-core kernel merges 1..{MAX_SPLITS}")
     args, meta = _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
@@ -1385,7 +1500,8 @@ def _tables(spec, device) -> tuple:
             words = [0, 0, 0, 0]
         if fmt.keys != 2 and not is_signed_hadamard(r):
             raise ValueError("the tensor-core kernel needs a rotation diag(s)·H/√128")
-        s = torch.ones(128) / 128 ** 0.5 if fmt.keys == 2 else torch.sign(r[:, 0]) / 128 ** 0.5
+        d = spec.layout.d
+        s = torch.ones(d) / d ** 0.5 if fmt.keys == 2 else torch.sign(r[:, 0]) / d ** 0.5
         vwords, osgn = words, s
         vf = spec.value_fields[0]
         if fmt.vals == 1:
@@ -1395,9 +1511,9 @@ def _tables(spec, device) -> tuple:
         elif fmt.vals == 3:
             vwords = _asm.symmetric_table_words(spec.table[vf.lut:vf.lut + 16].tolist())
         if fmt.rotated_values:
-            osgn = s[value_row_coord(torch.arange(128))]
+            osgn = s[value_row_coord(torch.arange(d), d)]
         _TABLES[key] = (torch.tensor([words] * 32, dtype=torch.int32, device=device),
-                        s[operand_coord(torch.arange(128), fmt.keys)].float().to(device),
+                        s[operand_coord(torch.arange(d), fmt.keys, d)].float().to(device),
                         s.float().to(device),
                         torch.tensor([vwords] * 32, dtype=torch.int32, device=device),
                         osgn.float().to(device))

@@ -197,6 +197,15 @@ def test_decode_mma_splits_gpu(name, bs, monkeypatch):
         assert rel_err(got, want) < 2e-3
 
 
+def _new_token_cache(codec, lens, hk, bs=16):
+    """A filled cache whose sequences' last slots take a decode step's new tokens: (cache, block
+    table, seq_lens, slots)."""
+    cache, bt, seq_lens = filled_cache(codec, lens, hk, bs, device=DEV)
+    slots = torch.cat([slots_for(bt, b, torch.tensor([n - 1], device=DEV), bs)
+                       for b, n in enumerate(lens)])
+    return cache, bt, seq_lens, slots
+
+
 MMA64_PRESETS = ["turboquant_k3v4_nc", "tq_k4v3", "turboquant_4bit_nc", "turboquant_3bit_nc",
                  "tq_k3v3", "tq_k4v4", "tq_k3v4"]
 
@@ -229,10 +238,8 @@ def test_decode_mma_head64_gpu(name, monkeypatch):
         m.setattr(step, "tensor_cores", lambda device: False)
         want = decode_attention_triton(codec, q, cache, bt, seq_lens)
     assert rel_err(got, want) < 2e-3
-    lens = [900, 3000, 17, 64]   # the new token overwrites each sequence's last slot
-    cache, bt, seq_lens = filled_cache(codec, lens, 2, 16, device=DEV)
-    slots = torch.cat([slots_for(bt, b, torch.tensor([n - 1], device=DEV), 16)
-                       for b, n in enumerate(lens)])
+    # the new token overwrites each sequence's last slot
+    cache, bt, seq_lens, slots = _new_token_cache(codec, [900, 3000, 17, 64], 2)
     q = torch.randn(4, 6, 64, device=DEV, dtype=torch.bfloat16)
     k, v = torch.randn(2, 4, 2, 64, device=DEV, dtype=torch.bfloat16)
     a = cache.clone()
@@ -272,10 +279,8 @@ def test_decode_with_new_kv_gpu(key_splits, monkeypatch, portable):
     from tqattn.kernels.store import store_kv_triton
     monkeypatch.setattr(store, "auto_key_splits", lambda n_kv, device: key_splits)
     codec = _codec("turboquant_k3v4_nc", 128)
-    lens = [900, 3000, 17, 64]   # the new token overwrites each sequence's last slot
-    cache, bt, seq_lens = filled_cache(codec, lens, 8, 16, device=DEV)
-    slots = torch.cat([slots_for(bt, b, torch.tensor([n - 1], device=DEV), 16)
-                       for b, n in enumerate(lens)])
+    # the new token overwrites each sequence's last slot
+    cache, bt, seq_lens, slots = _new_token_cache(codec, [900, 3000, 17, 64], 8)
     q = torch.randn(4, 32, 128, device=DEV, dtype=torch.bfloat16)
     k, v = torch.randn(2, 4, 8, 128, device=DEV, dtype=torch.bfloat16)
     a, b = cache.clone(), cache.clone()
@@ -306,9 +311,7 @@ def test_decode_fused_store_gpu(bs, name):
     from tqattn.kernels.store import store_kv_triton
     codec = _codec(name, 128)
     lens = [900, 3000, 17, 64, 1, 129]
-    cache, bt, seq_lens = filled_cache(codec, lens, 8, bs, device=DEV)
-    slots = torch.cat([slots_for(bt, b, torch.tensor([n - 1], device=DEV), bs)
-                       for b, n in enumerate(lens)])
+    cache, bt, seq_lens, slots = _new_token_cache(codec, lens, 8, bs)
     slots[3] = -1                                   # a padding entry: nothing stored
     q = torch.randn(len(lens), 32, 128, device=DEV, dtype=torch.bfloat16)
     k, v = torch.randn(2, len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)

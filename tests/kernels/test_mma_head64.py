@@ -8,54 +8,23 @@ and the output's un-rotation must be the codec's. The kernel itself runs on the 
 import pytest
 import torch
 
+from tests.kernels import _mma_replay as R
 from tqattn.kernels import _spec
 from tqattn.quant import paged
 from tqattn.quant.codec import TQCodec
-from tqattn.quant.packing import unpack_bits
 
 decode_mma = pytest.importorskip("tqattn.kernels.decode_mma")
 
-BS, D = 64, 64  # one page holds the whole 64-token tile
+BS, D = R.BS, 64
+_stack, _j4, _j8, _j16, _permute_reshape = R.stack, R.j4, R.j8, R.j16, R.permute_reshape
 
 
-def _page(preset, seed=0):
-    codec = TQCodec(preset, D)
-    g = torch.Generator().manual_seed(seed)
-    cache = torch.zeros(paged.kv_cache_shape(1, BS, 1, codec), dtype=torch.uint8)
-    k, v = torch.randn(BS, 1, D, generator=g), torch.randn(BS, 1, D, generator=g)
-    paged.store_ref(codec, k, v, cache, torch.arange(BS))
-    slots = paged.gather_slots_ref(codec, cache, torch.zeros(1, 1, dtype=torch.int32),
-                                   torch.tensor([BS]))
-    return codec, cache[0, 0], slots[0].reshape(BS, -1)
-
-
-def _codes(codec, slots, name):
-    f = codec.layout.field(name)
-    return unpack_bits(slots[:, f.offset:f.offset + f.nbytes], f.bits, f.count)   # (BS, D)
+def _page(preset):
+    return R.page(preset, D)
 
 
 def _off(codec, name):
     return BS * codec.layout.field(name).offset
-
-
-def _stack(*xs):
-    return torch.stack(xs, -1)           # gl.join: a new last dimension
-
-
-def _j4(a, b, c, d):
-    return _stack(_stack(a, b), _stack(c, d))
-
-
-def _j8(o):
-    return _stack(_j4(*o[0:4]), _j4(*o[4:8]))
-
-
-def _j16(o):
-    return _stack(_stack(_j4(*o[0:4]), _j4(*o[4:8])), _stack(_j4(*o[8:12]), _j4(*o[12:16])))
-
-
-def _permute_reshape(x, order, shape):
-    return x.reshape(8, 4, *x.shape[1:]).permute(order).reshape(shape)
 
 
 LANE = torch.arange(32)
@@ -79,7 +48,7 @@ def test_key_operand_3bit_head64(preset):
     trades tokens after the load (test_mma_operands covers _parity_word), so the page order
     checked here is MAP 0's."""
     codec, page, slots = _page(preset)
-    codes = _codes(codec, slots, "k_idx")
+    codes = R.codes(codec, slots, "k_idx")
     off = _off(codec, "k_idx")
 
     def lut3_rows(word, first):          # [32, h, e0, e1, p0, p1]
@@ -103,7 +72,7 @@ def test_key_operand4_head64(preset, token_map):
     16(g // 2) + g % 2 + 2j; MAP 0: 8g + j), LUT4_ROWS per int32, the permute
     [7, 6, 5, 0, 4, 3, 2, 1, 8]: column e + 2t + 8r + 32q is byte 4q + r's nibble e."""
     codec, page, slots = _page(preset)
-    codes = _codes(codec, slots, "k_idx")
+    codes = R.codes(codec, slots, "k_idx")
     off = _off(codec, "k_idx")
 
     def key_row(j):                       # [32, e, r0, r1, q0]
@@ -129,7 +98,7 @@ def test_value_operand_rows_head64(preset, field):
     tokens), the permute [4, 3, 2, 0, 7, 6, 5, 1, 8]: row ρ is coordinate 8(ρ % 8) + ρ // 8,
     column c the score row c's token (MAP 0)."""
     codec, page, slots = _page(preset)
-    codes = _codes(codec, slots, field)
+    codes = R.codes(codec, slots, field)
     off = _off(codec, field)
 
     def nibbles(tok):                     # (32, 8): nibble k of the lane's int32, k = 2 byte + h
@@ -154,7 +123,7 @@ def test_value_operand3_head64(preset, field):
     tokens 16t.. (_load_values3 with D = 64), LUT3_TOKENS (output 2c + h: code c of tokens
     4kb + 2h, +1), the permute [5, 4, 3, 0, 7, 6, 2, 1, 8]: row g + 8c is coordinate 8g + c."""
     codec, page, slots = _page(preset)
-    codes = _codes(codec, slots, field)
+    codes = R.codes(codec, slots, field)
     off = _off(codec, field)
     per_tok = [_word3_codes(page, off, G, 16 * T + i) for i in range(16)]
     quads = []

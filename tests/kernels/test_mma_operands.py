@@ -9,41 +9,14 @@ itself runs on the GPU only (test_kernels_gpu.py)."""
 
 import torch
 
-from tqattn.quant import paged
+from tests.kernels import _mma_replay as R
 from tqattn.quant.codec import TQCodec
-from tqattn.quant.packing import unpack_bits
 
 decode_mma = __import__("pytest").importorskip("tqattn.kernels.decode_mma")
 
-BS = 64  # one page holds the whole 64-token tile
-
-
-def _page(preset="tq_k4v3", seed=0):
-    codec = TQCodec(preset, 128)
-    g = torch.Generator().manual_seed(seed)
-    cache = torch.zeros(paged.kv_cache_shape(1, BS, 1, codec), dtype=torch.uint8)
-    k, v = torch.randn(BS, 1, 128, generator=g), torch.randn(BS, 1, 128, generator=g)
-    paged.store_ref(codec, k, v, cache, torch.arange(BS))
-    slots = paged.gather_slots_ref(codec, cache, torch.zeros(1, 1, dtype=torch.int32),
-                                   torch.tensor([BS]))
-    return codec, cache[0, 0], slots[0].reshape(BS, -1)
-
-
-def _codes(codec, slots, name):
-    f = codec.layout.field(name)
-    return unpack_bits(slots[:, f.offset:f.offset + f.nbytes], f.bits, f.count)   # (BS, 128)
-
-
-def _stack(*xs):
-    return torch.stack(xs, -1)           # gl.join: a new last dimension
-
-
-def _j4(a, b, c, d):
-    return _stack(_stack(a, b), _stack(c, d))
-
-
-def _permute_reshape(x, order, shape):
-    return x.reshape(8, 4, *x.shape[1:]).permute(order).reshape(shape)
+BS = R.BS
+_page, _codes, _stack, _j4, _j16 = R.page, R.codes, R.stack, R.j4, R.j16
+_permute_reshape = R.permute_reshape
 
 
 @__import__("pytest").mark.parametrize("preset,token_map", [("tq_k4v3", 1),
@@ -84,7 +57,7 @@ def test_key_operand4_rows_and_columns(preset, token_map):
 
 
 def test_value_operand3_rows_and_columns():
-    codec, page, slots = _page()
+    codec, page, slots = _page("tq_k4v3")
     codes = _codes(codec, slots, "v_idx")
     f = codec.layout.field("v_idx")
     v_off = BS * f.offset
@@ -129,10 +102,6 @@ def test_value_operand3_rows_and_columns():
     assert torch.equal(tok, 16 * ((rho % 8) // 2) + 2 * (rho // 8) + rho % 2)
     assert sorted(coord.tolist()) == list(range(128)) and sorted(tok.tolist()) == list(range(64))
     assert torch.equal(op, codes[tok][:, coord].T)
-
-
-def _j16(o):
-    return _stack(_stack(_j4(*o[0:4]), _j4(*o[4:8])), _stack(_j4(*o[8:12]), _j4(*o[12:16])))
 
 
 def test_output_unrotation_and_query_rotation_tables():

@@ -574,34 +574,32 @@ def _pairs4(a, b, tab, LUT: gl.constexpr):
 
 
 @gluon.jit
-def _value_calls(vw, j: gl.constexpr, tab, LUT: gl.constexpr):
-    """Tokens 16t + j (A) and 16t + 8 + j (B): bytes 8g..8g+7 (int64) each."""
-    a0, a1 = _lo_hi(vw[2 * j])
-    b0, b1 = _lo_hi(vw[2 * j + 1])
-    return gl.join(_j8(_pairs4(a0, b0, tab, LUT)), _j8(_pairs4(a1, b1, tab, LUT)))
+def _value_calls(vw, j: gl.constexpr, tab, LUT: gl.constexpr, D: gl.constexpr):
+    """Tokens 16t + j (A) and 16t + 8 + j (B): bytes 8g..8g+7 (int64) each; head size 64:
+    bytes 4g..4g+3 (int32)."""
+    if D == 128:
+        a0, a1 = _lo_hi(vw[2 * j])
+        b0, b1 = _lo_hi(vw[2 * j + 1])
+        x = gl.join(_j8(_pairs4(a0, b0, tab, LUT)), _j8(_pairs4(a1, b1, tab, LUT)))
+    else:
+        x = _j8(_pairs4(vw[2 * j], vw[2 * j + 1], tab, LUT))
+    return x
 
 
 @gluon.jit
 def _value_operand(vw, tab, LUT: gl.constexpr, D: gl.constexpr):
     """Vᵀ [D rows, 64 columns] fp16 A operand from the lane's 16 value words (_load_tile):
     uniform codes, or with LUT rotated codes through the table words tab."""
+    x = gl.join(_j4(_value_calls(vw, 0, tab, LUT, D), _value_calls(vw, 1, tab, LUT, D),
+                    _value_calls(vw, 2, tab, LUT, D), _value_calls(vw, 3, tab, LUT, D)),
+                _j4(_value_calls(vw, 4, tab, LUT, D), _value_calls(vw, 5, tab, LUT, D),
+                    _value_calls(vw, 6, tab, LUT, D), _value_calls(vw, 7, tab, LUT, D)))
     if D == 128:
-        x = gl.join(_j4(_value_calls(vw, 0, tab, LUT), _value_calls(vw, 1, tab, LUT),
-                        _value_calls(vw, 2, tab, LUT), _value_calls(vw, 3, tab, LUT)),
-                    _j4(_value_calls(vw, 4, tab, LUT), _value_calls(vw, 5, tab, LUT),
-                        _value_calls(vw, 6, tab, LUT), _value_calls(vw, 7, tab, LUT)))
         # [lane, nib, b0, b1, w, j0, j1, j2] → halves → [g, t, nib, b0, b1, w, j0, j1, j2, h]
         x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
         # row = g + 8 nib + 16 b0 + 32 b1 + 64 w; column = h + 2t + 8 j0 + 16 j1 + 32 j2
         x = gl.permute(x, [5, 4, 3, 2, 0, 8, 7, 6, 1, 9])
     else:
-        # int32 words: tokens 16t + j (vw[2j]) and 16t + 8 + j (vw[2j + 1]), bytes 4g..4g+3
-        x = gl.join(_j4(_j8(_pairs4(vw[0], vw[1], tab, LUT)), _j8(_pairs4(vw[2], vw[3], tab, LUT)),
-                        _j8(_pairs4(vw[4], vw[5], tab, LUT)), _j8(_pairs4(vw[6], vw[7], tab, LUT))),
-                    _j4(_j8(_pairs4(vw[8], vw[9], tab, LUT)),
-                        _j8(_pairs4(vw[10], vw[11], tab, LUT)),
-                        _j8(_pairs4(vw[12], vw[13], tab, LUT)),
-                        _j8(_pairs4(vw[14], vw[15], tab, LUT))))
         # [lane, nib, b0, b1, j0, j1, j2] → halves → [g, t, nib, b0, b1, j0, j1, j2, h]
         x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2])
         # row = g + 8 nib + 16 b0 + 32 b1; column = h + 2t + 8 j0 + 16 j1 + 32 j2
@@ -617,20 +615,6 @@ def _lut4(x, tab):
 
 
 @gluon.jit
-def _key_row4(lo, hi, tab):
-    """One token's 16 row bytes (two int64: 32 4-bit codes) → [32, r0, r1, q0, q1] fp16 pairs
-    of byte 4q + r."""
-    a0, a1 = _lo_hi(lo)
-    a2, a3 = _lo_hi(hi)
-    o0 = _lut4(a0, tab)
-    o1 = _lut4(a1, tab)
-    o2 = _lut4(a2, tab)
-    o3 = _lut4(a3, tab)
-    return _j4(_j4(o0[0], o0[1], o0[2], o0[3]), _j4(o1[0], o1[1], o1[2], o1[3]),
-               _j4(o2[0], o2[1], o2[2], o2[3]), _j4(o3[0], o3[1], o3[2], o3[3]))
-
-
-@gluon.jit
 def _key_row4_8(w, tab):
     """One token's 8 row bytes (int64: 16 4-bit codes) → [32, r0, r1, q0] fp16 pairs of byte
     4q + r."""
@@ -638,6 +622,13 @@ def _key_row4_8(w, tab):
     o0 = _lut4(a0, tab)
     o1 = _lut4(a1, tab)
     return gl.join(_j4(o0[0], o0[1], o0[2], o0[3]), _j4(o1[0], o1[1], o1[2], o1[3]))
+
+
+@gluon.jit
+def _key_row4(lo, hi, tab):
+    """One token's 16 row bytes (two int64: 32 4-bit codes) → [32, r0, r1, q0, q1] fp16 pairs
+    of byte 4q + r."""
+    return gl.join(_key_row4_8(lo, tab), _key_row4_8(hi, tab))
 
 
 @gluon.jit

@@ -240,12 +240,16 @@ def _cases():
         "mma_tq_k4v4_new_kv": decode("tq_k4v4", new_kv=True),
         "mma_tq_k3v4_b32": decode("tq_k3v4"), "mma_tq_k3v4_new_kv": decode("tq_k3v4", new_kv=True),
     }
-    # head size 64 (no fused store): GQA 4 and 8, one split
+    # head sizes 64 and 256 (no fused store): GQA 4 and 8, one split
     for p in (k3, "tq_k4v3", "turboquant_4bit_nc", "turboquant_3bit_nc", "tq_k3v3", "tq_k4v4",
               "tq_k3v4"):
         cases[f"mma_d64_{p}_b32"] = decode(p, d=64)
         cases[f"mma_d64_{p}_b8_gqa8"] = decode(p, d=64, b=8, hq=64)
         cases[f"mma_d64_{p}_b128"] = decode(p, d=64, b=128, l=4096)
+        # head size 256 (two 128-coordinate halves): GQA 2 and 4 (Gemma 3)
+        cases[f"mma_d256_{p}_b32"] = decode(p, d=256, hq=16)
+        cases[f"mma_d256_{p}_b8_gqa4"] = decode(p, d=256, b=8, hq=32)
+        cases[f"mma_d256_{p}_b128"] = decode(p, d=256, b=128, l=4096, hq=16)
     for p in (k3, "tq_k4v3", "turboquant_k8v4", "tq_k3o4v3.5", "tq_k3.5v3.5"):
         for n in (32, 128, 2048):
             cases[f"store_{p}_{n}"] = store(p, n)

@@ -249,6 +249,46 @@ def test_decode_mma_head64_gpu(name, monkeypatch):
     assert torch.equal(a, cache) and rel_err(got, want) < 1e-4
 
 
+@pytest.mark.parametrize("name", MMA64_PRESETS)
+def test_decode_mma_head256_gpu(name, monkeypatch):
+    """Head size 256 on the tensor-core kernel (D = 256: two 128-coordinate halves): page sizes,
+    GQA 2 and 4 (Gemma 3) and 8, sequences of 0 and 1 tokens and of fewer tiles than splits,
+    several split counts; against the portable kernel too; a step's new K/V through the store
+    kernel first."""
+    from tqattn.kernels import step
+    from tqattn.kernels._spec import kernel_spec
+    from tqattn.kernels.decode import decode_attention_triton
+    from tqattn.kernels.store import store_kv_triton
+    q = torch.zeros(1, 4, 256, device=DEV)
+    spec = kernel_spec(_codec(name, 256), 16)
+    assert step.tensor_core_decode(spec, q, 1, True)
+    assert step.decode_kernel_store(spec, q, 1, True) == step.STORE_KERNEL
+    for bs in (16, 32, 64):
+        _decode_case(name, 256, 2, 4, bs, [63, 64, 65, 129, 3000, 1])
+    _decode_case(name, 256, 4, 2, 16, [0, 300, 64, 2000])
+    _decode_case(name, 256, 1, 8, 16, [4100, 17], dtype=torch.float16)
+    for splits in (None, 1, 3, 40):
+        _decode_case(name, 256, 2, 2, 16, [3000, 17, 2500, 0, 700], num_splits=splits)
+    codec = _codec(name, 256)
+    cache, bt, seq_lens = filled_cache(codec, [3000, 17, 900], 2, 16, device=DEV)
+    q = torch.randn(3, 8, 256, device=DEV, dtype=torch.bfloat16)
+    got = decode_attention_triton(codec, q, cache, bt, seq_lens)
+    with monkeypatch.context() as m:
+        m.setattr(step, "tensor_cores", lambda device: False)
+        want = decode_attention_triton(codec, q, cache, bt, seq_lens)
+    # two bf16 outputs of 16-bit-operand vs fp32 math: 2.05e-3 apart for turboquant_4bit_nc on
+    # the H200 (one bf16 rounding alone is ~1.7e-3); each is held to the reference above
+    assert rel_err(got, want) < 3e-3
+    cache, bt, seq_lens, slots = _new_token_cache(codec, [900, 3000, 17, 64], 2)
+    q = torch.randn(4, 4, 256, device=DEV, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 4, 2, 256, device=DEV, dtype=torch.bfloat16)
+    a = cache.clone()
+    store_kv_triton(codec, k, v, a, slots)
+    want = decode_attention_triton(codec, q, a, bt, seq_lens)
+    got = decode_attention_triton(codec, q, cache, bt, seq_lens, new_kv=(k, v, slots))
+    assert torch.equal(a, cache) and rel_err(got, want) < 1e-4
+
+
 def _replay_new_tokens(codec, step, q, k, v, a, slots, check):
     """Capture step(out) — a decode step that stores k, v at slots — in a CUDA graph; replay it
     twice with new q, k, v, storing them into the reference cache ``a`` with the store kernel,

@@ -1,5 +1,5 @@
 """The tensor-core kernel's operand bookkeeping for 4-bit keys and rotated 3-bit values
-(kernels/decode_mma.py: _load_keys4/_key_operand4, _load_values3/_value_operand3, the score
+(kernels/decode_mma.py: _load_keys4/_key_rows4, _load_values3/_value_rows3, the score
 rows' scalars and the output's un-rotation), the 3-bit keys' trade into the column-major values'
 token order (_parity_word) and the 3-bit uniform values' table, replayed on CPU: the same per-lane loads from a
 page and the same join / reshape / permute, with the asm blocks' documented outputs (checked

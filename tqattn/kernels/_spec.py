@@ -203,8 +203,8 @@ class MmaFormat:
 
 
 def mma_layout(spec: KernelSpec) -> MmaFormat | None:
-    """How the tensor-core kernel reads this layout, or None where it cannot: head size 128 or
-    64, one key and one value field, no outliers, stored norms plain or "nc"-folded, a rotation
+    """How the tensor-core kernel reads this layout, or None where it cannot: head size 64, 128
+    or 256, one key and one value field, no outliers, stored norms plain or "nc"-folded, a rotation
     diag(s)·H/√d where keys or values are rotated (every power-of-two head size rotation of
     quant/rotation.py), keys of 3-bit centroid codes in column-major planes or 4-bit codes of a
     symmetric codebook in token rows, values 4-bit (uniform, or rotated of a symmetric codebook)
@@ -215,7 +215,7 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
     head size 128 (rotated keys, no padding)."""
     m, kf, vf = spec.layout, spec.key_fields, spec.value_fields
     d = m.d
-    if d not in (64, 128) or len(kf) != 1 or len(vf) != 1 or m.k_nout:
+    if d not in (64, 128, 256) or len(kf) != 1 or len(vf) != 1 or m.k_nout:
         return None
     k, v = kf[0], vf[0]
     hadamard = is_signed_hadamard(spec.codec.rotation.float().cpu())

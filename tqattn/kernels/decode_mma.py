@@ -1,9 +1,9 @@
 """Decode attention on tensor cores with register-resident operands (Gluon, sm_80+).
 
 The tensor-core path of :func:`tqattn.kernels.decode.decode_attention_triton` for the layouts of
-:func:`tqattn.kernels._spec.mma_layout`, head size 128 or 64 (constexpr D), GQA groups of up to
-8 query heads, one query row per sequence, no window / soft-cap, in these formats (constexprs
-KEYS, VALS; MAP, the score rows' token order, follows from VALS):
+:func:`tqattn.kernels._spec.mma_layout`, head size 128, 64 or 256 (constexpr D), GQA groups of
+up to 8 query heads, one query row per sequence, no window / soft-cap, in these formats
+(constexprs KEYS, VALS; MAP, the score rows' token order, follows from VALS):
 
 * KEYS = VALS = 0, ``turboquant_k3v4_nc``: 3-bit centroid keys in column-major planes, 4-bit
   uniform values in token rows (the description below);
@@ -69,6 +69,11 @@ token); 4-bit row values' bytes 4g.. (one int32 per token); 3-bit column-major v
 — operands K [64, 64] and Vᵀ [64, 64], row ρ of Vᵀ and of the output coordinate 8·(ρ % 8) +
 ρ // 8, a 64-point transform of the query and of rotated values' output; no fused store (the
 store kernel writes the step's token first). Replayed on CPU in tests/kernels/test_mma_head64.py.
+Head size 256: two 128-coordinate halves, each loaded and decoded as a head-128 page with the
+second half's offset and twice the strides — scores K_a·Q_a + K_b·Q_b, two accumulators
+[128, 8], the query's transform as [H(a + b); H(a − b)] — and each tile loads its own words
+(the halves' words do not fit the registers a tile ahead; :func:`_loop256`); no fused store.
+Replayed on CPU in tests/kernels/test_mma_head256.py.
 
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
 programs that the compiled kernel's registers let an SM hold (programs_per_sm). Each split
@@ -105,6 +110,7 @@ MAX_SPLITS = gl.constexpr(64)
 _QL = gl.constexpr(gl.BlockedLayout([32, 1], [4, 8], [1, 1], [0, 1]))    # [128, 8] query: 32 k each
 _QL64 = gl.constexpr(gl.BlockedLayout([16, 1], [4, 8], [1, 1], [0, 1]))  # [64, 8]: 16 k each
 _MS64 = gl.constexpr(gl.BlockedLayout([1, 1, 2], [1, 1, 32], [1, 1, 1], [2, 1, 0]))
+_MS256 = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 1, 32], [1, 1, 1], [2, 1, 0]))
 _ROWS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
 _HEADS = gl.constexpr(gl.SliceLayout(0, _MMA.value))
 
@@ -155,25 +161,35 @@ def _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS: gl.constexpr, D: g
     with its columns in operand order (a bit permutation σ of the column index, so R[:, σ] =
     P_σ·diag(s_σ)·H/√D): load q[σ(k)]·s[σ(k)]/√D (sgn_ptr), Walsh–Hadamard transform in
     fp32, times qscale, fp16 — the math of :func:`fused_query_ref`. σ: :func:`operand_coord`
-    of the key format."""
-    QL: gl.constexpr = _QL if D == 128 else _QL64
-    k = gl.arange(0, D, layout=gl.SliceLayout(1, QL))
+    of the key format. D = 256: σ within each half, the transform of length 256 as
+    [H(a + b); H(a − b)] of the halves a, b, and the halves' operands [128, 8] as a tuple."""
+    QL: gl.constexpr = _QL64 if D == 64 else _QL
+    HD: gl.constexpr = 64 if D == 64 else 128
+    k = gl.arange(0, HD, layout=gl.SliceLayout(1, QL))
     if KEYS == 0:
         sk = (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
-    elif D == 128:
+    elif D != 64:
         sk = (k & 1) | ((k >> 2) & 0x1E) | ((k << 4) & 0x60)
     else:
         sk = (k & 1) | ((k >> 2) & 0xE) | ((k << 3) & 0x30)
     rows = gl.convert_layout(q_rows, gl.SliceLayout(0, QL))
     ok = gl.convert_layout(hmask, gl.SliceLayout(0, QL))
     x = gl.load(q_ptr + rows[None, :] + sk[:, None], mask=ok[None, :], other=0.0).to(gl.float32)
-    if KEYS != 2:  # fp8 keys are not rotated
+    if D == 256:
+        x = x * gl.load(sgn_ptr + k)[:, None]
+        x2 = gl.load(q_ptr + rows[None, :] + (sk + 128)[:, None], mask=ok[None, :],
+                     other=0.0).to(gl.float32) * gl.load(sgn_ptr + 128 + k)[:, None]
+        q = (gl.convert_layout(_wht_rows(x + x2) * qscale, _OP_B).to(gl.float16),
+             gl.convert_layout(_wht_rows(x - x2) * qscale, _OP_B).to(gl.float16))
+    elif KEYS != 2:  # fp8 keys are not rotated
         x = x * gl.load(sgn_ptr + k)[:, None]
         if D == 128:
             x = _wht_rows(x)
         else:
             x = _wht_rows64(x)
-    return gl.convert_layout(x * qscale, _OP_B).to(gl.float16)
+    if D != 256:
+        q = gl.convert_layout(x * qscale, _OP_B).to(gl.float16)
+    return q
 
 
 _TOK = gl.constexpr(gl.BlockedLayout([4], [32], [1], [0]))   # [128]: lane l holds 4l..4l+3
@@ -325,7 +341,9 @@ def operand_coord(k: torch.Tensor, keys: int = 0, d: int = 128) -> torch.Tensor:
     """Rotated coordinate of operand column k at head size d: σ(k) (the kernel writes the same
     bit operations inline). 3-bit keys (keys 0): swaps bits 1-2 with bits 3-4 (its own
     inverse); 4-bit keys (keys 1): lane t's row bytes hold coordinates d/4·t..
-    (:func:`_key_operand4`)."""
+    (:func:`_key_rows4`); at 256 the 128 map within each half."""
+    if d == 256:
+        return operand_coord(k % 128, keys) + 128 * (k // 128)
     if keys == 0:
         return (k & 0x61) | ((k >> 2) & 6) | ((k << 2) & 0x18)
     if d == 64:
@@ -334,7 +352,10 @@ def operand_coord(k: torch.Tensor, keys: int = 0, d: int = 128) -> torch.Tensor:
 
 
 def value_row_coord(r: torch.Tensor, d: int = 128) -> torch.Tensor:
-    """Coordinate of row ρ of Vᵀ and of the output accumulator: d/8·(ρ % 8) + ρ // 8."""
+    """Coordinate of row ρ of Vᵀ and of the output accumulator: d/8·(ρ % 8) + ρ // 8 (at 256
+    the 128 map within each half)."""
+    if d == 256:
+        return value_row_coord(r % 128) + 128 * (r // 128)
     return d // 8 * (r % 8) + r // 8
 
 
@@ -422,8 +443,8 @@ def store_new_token_ref(spec, key: torch.Tensor, value: torch.Tensor, kv_cache: 
 
 
 def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float, keys: int = 0) -> torch.Tensor:
-    """PyTorch twin of :func:`_fused_query` for q (rows, D), D = 128 or 64: the same permuted
-    load and the same butterflies, in the same order → fp16 (rows, D), equal to
+    """PyTorch twin of :func:`_fused_query` for q (rows, D), D = 64, 128 or 256: the same
+    permuted load and the same butterflies, in the same order → fp16 (rows, D), equal to
     fp16((q·R[:, σ])·scale) up to fp32 rounding."""
     d = q.shape[-1]
     sk = operand_coord(torch.arange(d, device=q.device), keys, d)
@@ -431,17 +452,25 @@ def fused_query_ref(q: torch.Tensor, sgn: torch.Tensor, scale: float, keys: int 
         return (q.float()[:, sk] * scale).to(torch.float16)
     x = (q.float()[:, sk] * sgn.to(q.device)).T.contiguous()          # [D, rows] as [k, n]
     rows = x.shape[1]
-    lanes = d // 4                      # rows held per thread before the regrouping (_QL*)
 
-    def stage(x, b):
-        y = x.reshape(d // (2 * b), 2, b, rows)
-        return torch.stack([y[:, 0] + y[:, 1], y[:, 0] - y[:, 1]], 1).reshape(d, rows)
+    def wht(x):                         # _wht_rows / _wht_rows64
+        n = x.shape[0]
+        lanes = n // 4                  # rows held per thread before the regrouping (_QL*)
 
-    for b in (1, 2, 4, 8, 16)[:(lanes.bit_length() - 1)]:
-        x = stage(x, b)
-    x = x.reshape(4, lanes, rows).permute(1, 0, 2).reshape(d, rows)
-    x = stage(stage(x, 1), 2)
-    x = x.reshape(lanes, 4, rows).permute(1, 0, 2).reshape(d, rows)
+        def stage(x, b):
+            y = x.reshape(n // (2 * b), 2, b, rows)
+            return torch.stack([y[:, 0] + y[:, 1], y[:, 0] - y[:, 1]], 1).reshape(n, rows)
+
+        for b in (1, 2, 4, 8, 16)[:(lanes.bit_length() - 1)]:
+            x = stage(x, b)
+        x = x.reshape(4, lanes, rows).permute(1, 0, 2).reshape(n, rows)
+        x = stage(stage(x, 1), 2)
+        return x.reshape(lanes, 4, rows).permute(1, 0, 2).reshape(n, rows)
+
+    if d == 256:
+        x = torch.cat([wht(x[:128] + x[128:]), wht(x[:128] - x[128:])])
+    else:
+        x = wht(x)
     return (x * scale).to(torch.float16).T.contiguous()
 
 
@@ -518,9 +547,9 @@ def _parity_word(w, odd):
 
 
 @gluon.jit
-def _key_operand(kw, tab, MAP: gl.constexpr, D: gl.constexpr):
-    """K [64 rows, D columns] fp16 A operand from the lane's key words (_load_tile); row
-    g + 8i is token 8g + i (MAP 0) or 16(g // 2) + g % 2 + 2i (MAP 1)."""
+def _key_rows(kw, tab, MAP: gl.constexpr, D: gl.constexpr):
+    """K [64 rows, D columns] (128 of a half at D = 256) fp16 from the lane's key words
+    (_load_tile); row g + 8i is token 8g + i (MAP 0) or 16(g // 2) + g % 2 + 2i (MAP 1)."""
     if MAP == 1:
         odd = ((gl.arange(0, 32, layout=_LANE) // 4) % 2) == 1
         pw = (_parity_word(kw[0], odd), _parity_word(kw[1], odd), _parity_word(kw[2], odd),
@@ -532,7 +561,7 @@ def _key_operand(kw, tab, MAP: gl.constexpr, D: gl.constexpr):
         kw = pw
     l0, h0 = _key_calls(kw, 0, tab)
     l1, h1 = _key_calls(kw, 1, tab)
-    if D == 128:
+    if D != 64:
         l2, h2 = _key_calls(kw, 2, tab)
         l3, h3 = _key_calls(kw, 3, tab)
         x = gl.join(_j4(l0, l1, l2, l3), _j4(h0, h1, h2, h3))
@@ -546,7 +575,7 @@ def _key_operand(kw, tab, MAP: gl.constexpr, D: gl.constexpr):
         x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2])
         # row = g + 8 e0 + 16 e1 + 32 r7; column = h + 2t + 8 p0 + 16 p1 + 32 m0
         x = gl.permute(x, [7, 3, 2, 0, 6, 5, 4, 1, 8])
-    return gl.convert_layout(gl.reshape(x, [64, D]), _OP_A)
+    return gl.reshape(x, [64, 64 if D == 64 else 128])
 
 
 @gluon.jit
@@ -577,7 +606,7 @@ def _pairs4(a, b, tab, LUT: gl.constexpr):
 def _value_calls(vw, j: gl.constexpr, tab, LUT: gl.constexpr, D: gl.constexpr):
     """Tokens 16t + j (A) and 16t + 8 + j (B): bytes 8g..8g+7 (int64) each; head size 64:
     bytes 4g..4g+3 (int32)."""
-    if D == 128:
+    if D != 64:
         a0, a1 = _lo_hi(vw[2 * j])
         b0, b1 = _lo_hi(vw[2 * j + 1])
         x = gl.join(_j8(_pairs4(a0, b0, tab, LUT)), _j8(_pairs4(a1, b1, tab, LUT)))
@@ -587,14 +616,14 @@ def _value_calls(vw, j: gl.constexpr, tab, LUT: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
-def _value_operand(vw, tab, LUT: gl.constexpr, D: gl.constexpr):
-    """Vᵀ [D rows, 64 columns] fp16 A operand from the lane's 16 value words (_load_tile):
-    uniform codes, or with LUT rotated codes through the table words tab."""
+def _value_rows(vw, tab, LUT: gl.constexpr, D: gl.constexpr):
+    """Vᵀ [D rows, 64 columns] (128 of a half at D = 256) fp16 from the lane's 16 value words
+    (_load_tile): uniform codes, or with LUT rotated codes through the table words tab."""
     x = gl.join(_j4(_value_calls(vw, 0, tab, LUT, D), _value_calls(vw, 1, tab, LUT, D),
                     _value_calls(vw, 2, tab, LUT, D), _value_calls(vw, 3, tab, LUT, D)),
                 _j4(_value_calls(vw, 4, tab, LUT, D), _value_calls(vw, 5, tab, LUT, D),
                     _value_calls(vw, 6, tab, LUT, D), _value_calls(vw, 7, tab, LUT, D)))
-    if D == 128:
+    if D != 64:
         # [lane, nib, b0, b1, w, j0, j1, j2] → halves → [g, t, nib, b0, b1, w, j0, j1, j2, h]
         x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
         # row = g + 8 nib + 16 b0 + 32 b1 + 64 w; column = h + 2t + 8 j0 + 16 j1 + 32 j2
@@ -604,7 +633,7 @@ def _value_operand(vw, tab, LUT: gl.constexpr, D: gl.constexpr):
         x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2])
         # row = g + 8 nib + 16 b0 + 32 b1; column = h + 2t + 8 j0 + 16 j1 + 32 j2
         x = gl.permute(x, [4, 3, 2, 0, 7, 6, 5, 1, 8])
-    return gl.convert_layout(gl.reshape(x, [D, 64]), _OP_A)
+    return gl.reshape(x, [64 if D == 64 else 128, 64])
 
 
 @gluon.jit
@@ -632,11 +661,11 @@ def _key_row4(lo, hi, tab):
 
 
 @gluon.jit
-def _key_operand4(kw, tab, D: gl.constexpr):
-    """K [64 rows, D columns] fp16 A operand of 4-bit row keys (:func:`_load_keys4`): row
-    g + 8j is the lane's token j, column e + 2t + 8r + 32q its byte 4q + r's nibble e (of its
-    bytes 16t.. at head size 128, 8t.. at 64)."""
-    if D == 128:
+def _key_rows4(kw, tab, D: gl.constexpr):
+    """K [64 rows, D columns] (128 of a half at D = 256) fp16 of 4-bit row keys
+    (:func:`_load_keys4`): row g + 8j is the lane's token j, column e + 2t + 8r + 32q its
+    byte 4q + r's nibble e (of its bytes 16t.. at head size 128, 8t.. at 64)."""
+    if D != 64:
         x = _j8((_key_row4(kw[0], kw[1], tab), _key_row4(kw[2], kw[3], tab),
                  _key_row4(kw[4], kw[5], tab), _key_row4(kw[6], kw[7], tab),
                  _key_row4(kw[8], kw[9], tab), _key_row4(kw[10], kw[11], tab),
@@ -651,7 +680,37 @@ def _key_operand4(kw, tab, D: gl.constexpr):
         # [lane, r0, r1, q0, j0, j1, j2] → halves → [g, t, r0, r1, q0, j0, j1, j2, e]
         x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2])
         x = gl.permute(x, [7, 6, 5, 0, 4, 3, 2, 1, 8])
-    return gl.convert_layout(gl.reshape(x, [64, D]), _OP_A)
+    return gl.reshape(x, [64, 64 if D == 64 else 128])
+
+
+@gluon.jit
+def _cat_rows(a, b):
+    """[m, n] and [m, n] → [2m, n] (b's rows after a's)."""
+    m: gl.constexpr = a.shape[0]
+    n: gl.constexpr = a.shape[1]
+    return gl.reshape(gl.permute(gl.join(a, b), [2, 0, 1]), [2 * m, n])
+
+
+@gluon.jit
+def _key_operand(kw, tab, KEYS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
+    """K [64, D] A operand of rotated keys (D ≤ 128; KEYS 0: :func:`_key_rows`, 1:
+    :func:`_key_rows4`)."""
+    if KEYS == 0:
+        x = _key_rows(kw, tab, MAP, D)
+    else:
+        x = _key_rows4(kw, tab, D)
+    return gl.convert_layout(x, _OP_A)
+
+
+@gluon.jit
+def _value_operand(vw, tab, VALS: gl.constexpr, D: gl.constexpr):
+    """Vᵀ [D, 64] A operand (D ≤ 128; VALS 0, 3: :func:`_value_rows`; 1, 2:
+    :func:`_value_rows3`)."""
+    if VALS == 0 or VALS == 3:
+        x = _value_rows(vw, tab, VALS == 3, D)
+    else:
+        x = _value_rows3(vw, tab, D)
+    return gl.convert_layout(x, _OP_A)
 
 
 @gluon.jit
@@ -718,11 +777,11 @@ def _value_word3(vw, W: gl.constexpr, tab):
 
 
 @gluon.jit
-def _value_operand3(vw, tab, D: gl.constexpr):
-    """Vᵀ [D rows, 64 columns] fp16 A operand of 3-bit column-major values: row g + 8i is
-    coordinate 16g + i (head size 64: 8g + i), column e + 2t + 8h + 16kb token 16t + 4kb + 2h
-    + e."""
-    if D == 128:
+def _value_rows3(vw, tab, D: gl.constexpr):
+    """Vᵀ [D rows, 64 columns] (128 of a half at D = 256) fp16 of 3-bit column-major values:
+    row g + 8i is coordinate 16g + i (head size 64: 8g + i), column e + 2t + 8h + 16kb token
+    16t + 4kb + 2h + e."""
+    if D != 64:
         x = gl.join(_value_word3(vw, 0, tab), _value_word3(vw, 1, tab))
         # [lane, h, c0, c1, c2, kb0, kb1, w] → halves → [g, t, h, c0, c1, c2, kb0, kb1, w, e]
         x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
@@ -731,7 +790,7 @@ def _value_operand3(vw, tab, D: gl.constexpr):
         # [lane, h, c0, c1, c2, kb0, kb1] → halves → [g, t, h, c0, c1, c2, kb0, kb1, e]
         x = gl.reshape(_halves(_value_word3(vw, 0, tab)), [8, 4, 2, 2, 2, 2, 2, 2, 2])
         x = gl.permute(x, [5, 4, 3, 0, 7, 6, 2, 1, 8])
-    return gl.convert_layout(gl.reshape(x, [D, 64]), _OP_A)
+    return gl.reshape(x, [64 if D == 64 else 128, 64])
 
 
 @gluon.jit
@@ -819,16 +878,17 @@ def _scalars16(t, pages, page0, lane, sc_b, BS: gl.constexpr, OFF: gl.constexpr)
 def _load_keys(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
                KN_OFF: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
     """The lane's key words of tile t (pages: :func:`_pages` of t): the three sub-plane words
-    of code words t, t + 4, .. (12 at head size 128, 6 at 64) of its tokens 8g.. and the words
-    of its fp16 key norms — of those 8 tokens (MAP 0: 2 words) or of tokens 16(g // 2) + 0..15
-    (MAP 1: 4 words; :func:`_key_operand` trades the code words' tokens)."""
+    of code words t, t + 4, .. (12 at head size 128 and per half of 256 (K_OFF: the half's
+    first word), 6 at 64) of its tokens 8g.. and the words of its fp16 key norms — of those 8
+    tokens (MAP 0: 2 words) or of tokens 16(g // 2) + 0..15 (MAP 1: 4 words;
+    :func:`_key_rows` trades the code words' tokens)."""
     tg = t * TILE + 8 * (lane // 4)
     pg = page0 + pages[0].to(gl.int64) * sc_b
     kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
     SP: gl.constexpr = D // 64 * BS  # int64 words from one sub-plane to the next
     kw = (gl.load(kb), gl.load(kb + SP), gl.load(kb + 2 * SP),
           gl.load(kb + BS // 2), gl.load(kb + BS // 2 + SP), gl.load(kb + BS // 2 + 2 * SP))
-    if D == 128:
+    if D != 64:
         kw = kw + (gl.load(kb + BS), gl.load(kb + BS + SP), gl.load(kb + BS + 2 * SP),
                    gl.load(kb + 3 * BS // 2), gl.load(kb + 3 * BS // 2 + SP),
                    gl.load(kb + 3 * BS // 2 + 2 * SP))
@@ -844,23 +904,24 @@ def _load_keys(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexp
 @gluon.jit
 def _load_values(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
                  VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, D: gl.constexpr):
-    """The lane's value words of tile t: row bytes D/16·g.. of its 16 tokens 16t.. (16 words,
-    token j's and j + 8's in words 2j, 2j + 1: int64 at head size 128, int32 at 64), and 2
-    words each of the fp16 scales and zero points of its score rows (tokens 8g.., in the key
-    row's page)."""
+    """The lane's value words of tile t: row bytes 8g.. (4g.. at head size 64; of the half at
+    V_OFF at 256) of its 16 tokens 16t.. (16 words, token j's and j + 8's in words 2j, 2j + 1:
+    int64, int32 at 64), and 2 words each of the fp16 scales and zero points of its score rows
+    (tokens 8g.., in the key row's page)."""
     tg = t * TILE + 8 * (lane // 4)
     tt = t * TILE + 16 * (lane % 4)
     pg = page0 + pages[0].to(gl.int64) * sc_b
     pv = page0 + pages[1].to(gl.int64) * sc_b
-    if D == 128:
-        vb = (pv + V_OFF + 64 * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
+    if D != 64:
+        vb = (pv + V_OFF + (D // 2) * (tt % BS) + 8 * (lane // 4)).to(gl.pointer_type(gl.int64))
     else:
         vb = (pv + V_OFF + 32 * (tt % BS) + 4 * (lane // 4)).to(gl.pointer_type(gl.int32))
-    vw = (gl.load(vb), gl.load(vb + 64), gl.load(vb + 8), gl.load(vb + 72),
-          gl.load(vb + 16), gl.load(vb + 80), gl.load(vb + 24),
-          gl.load(vb + 88), gl.load(vb + 32), gl.load(vb + 96),
-          gl.load(vb + 40), gl.load(vb + 104), gl.load(vb + 48),
-          gl.load(vb + 112), gl.load(vb + 56), gl.load(vb + 120))
+    TS: gl.constexpr = 8 if D == 64 else D // 16  # words from one token's row to the next
+    vw = (gl.load(vb), gl.load(vb + 8 * TS), gl.load(vb + TS), gl.load(vb + 9 * TS),
+          gl.load(vb + 2 * TS), gl.load(vb + 10 * TS), gl.load(vb + 3 * TS),
+          gl.load(vb + 11 * TS), gl.load(vb + 4 * TS), gl.load(vb + 12 * TS),
+          gl.load(vb + 5 * TS), gl.load(vb + 13 * TS), gl.load(vb + 6 * TS),
+          gl.load(vb + 14 * TS), gl.load(vb + 7 * TS), gl.load(vb + 15 * TS))
     sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
     return vw, _load16(sp + VS_OFF // 8), _load16(sp + VZ_OFF // 8)
 
@@ -882,8 +943,9 @@ def _load_keys4(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constex
         tg = t * TILE + 16 * (lane // 8)
         first = (tg % BS) + (lane // 4) % 2
     pg = page0 + pages[0].to(gl.int64) * sc_b
-    kb = (pg + K_OFF + first * (D // 2) + (D // 8) * (lane % 4)).to(gl.pointer_type(gl.int64))
-    if D == 128:
+    HD: gl.constexpr = 128 if D > 128 else D  # the operand's columns (256: the half at K_OFF)
+    kb = (pg + K_OFF + first * (D // 2) + (HD // 8) * (lane % 4)).to(gl.pointer_type(gl.int64))
+    if D != 64:
         a0, a1 = _load16(kb)
         b0, b1 = _load16(kb + step)
         c0, c1 = _load16(kb + 2 * step)
@@ -941,11 +1003,12 @@ def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.const
     tt = t * TILE + 16 * (lane % 4)
     pv = page0 + pages[1].to(gl.int64) * sc_b
     SP: gl.constexpr = D // 64 * BS  # int64 words from one sub-plane to the next
-    vb = (pv + V_OFF + (tt % BS) + (D // 64) * (lane // 4) * BS).to(gl.pointer_type(gl.int64))
+    W: gl.constexpr = 2 if D > 128 else D // 64  # code words per lane (256: of the half at V_OFF)
+    vb = (pv + V_OFF + (tt % BS) + W * (lane // 4) * BS).to(gl.pointer_type(gl.int64))
     a0, a1 = _load16(vb)
     b0, b1 = _load16(vb + SP)
     c0, c1 = _load16(vb + 2 * SP)
-    if D == 128:
+    if D != 64:
         d0, d1 = _load16(vb + BS // 8)
         e0, e1 = _load16(vb + BS // 8 + SP)
         f0, f1 = _load16(vb + BS // 8 + 2 * SP)
@@ -958,7 +1021,16 @@ def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.const
 @gluon.jit
 def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
             KN_OFF: gl.constexpr, KEYS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
-    if KEYS == 0:
+    if D == 256:  # the halves' words, the first half's first (K_OFF + KH: the second's)
+        KH: gl.constexpr = 16 * BS if KEYS == 0 else 64
+        if KEYS == 0:
+            kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
+            kw2, kn2 = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF + KH, KN_OFF, MAP, D)
+        else:
+            kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
+            kw2, kn2 = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF + KH, KN_OFF, MAP, D)
+        kw = kw + kw2
+    elif KEYS == 0:
         kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
     elif KEYS == 1:
         kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
@@ -971,7 +1043,8 @@ def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
 def _load_v(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
             VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, VALS: gl.constexpr, D: gl.constexpr):
     """Value words and their scalars: (scales, zero points) for uniform values (VALS 0, 2),
-    (norms, norms) for rotated ones (VALS 1, 3; VS_OFF: the norms' plane, VZ_OFF unused)."""
+    (norms, norms) for rotated ones (VALS 1, 3; VS_OFF: the norms' plane, VZ_OFF unused). At
+    D = 256 the two halves' words, the first half's first."""
     if VALS == 0:
         vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, D)
     elif VALS == 3:
@@ -983,6 +1056,13 @@ def _load_v(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
             vz = _scalars16(t, pages, page0, lane, sc_b, BS, VZ_OFF)
         else:
             vz = vs
+    if D == 256:  # the second half: 64 row bytes on (VALS 0, 3) or 16 code words on (1, 2)
+        if VALS == 0 or VALS == 3:
+            vw2, _, _ = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF + 64, VS_OFF,
+                                     VS_OFF, D)
+        else:
+            vw2 = _load_values3(t, pages, page0, lane, sc_b, BS, V_OFF + 16 * BS, D)
+        vw = vw + vw2
     return vw, vs, vz
 
 
@@ -1011,13 +1091,17 @@ def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr, KEYS: gl.co
             MAP: gl.constexpr, D: gl.constexpr):
     """A tile's scores (log2 units) from its key words (rows in the token order MAP);
     MASKED: -inf past the sequence."""
-    if KEYS == 0:
-        ka = _key_operand(kw, tab, MAP, D)
-    elif KEYS == 1:
-        ka = _key_operand4(kw, tab, D)
+    if D == 256:  # qb: the halves' operands; kw: the halves' words, the first half's first
+        N: gl.constexpr = 12 if KEYS == 0 else 16
+        s = gl.zeros([TILE, 8], gl.float32, layout=_MMA)
+        s = mma_v2(_key_operand(kw[0:N], tab, KEYS, MAP, 128), qb[0], s)
+        s = mma_v2(_key_operand(kw[N:2 * N], tab, KEYS, MAP, 128), qb[1], s)
     else:
-        ka = _key_operand8(kw)
-    s = mma_v2(ka, qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
+        if KEYS == 2:
+            ka = _key_operand8(kw)
+        else:
+            ka = _key_operand(kw, tab, KEYS, MAP, D)
+        s = mma_v2(ka, qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
     if KEYS != 2:  # fp8 keys have no norm
         s = s * _row_scalars(skn, MAP)
     if MASKED:
@@ -1043,7 +1127,10 @@ def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED: 
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     if gl.max(m_new - m_i, axis=0) > 8.0:
         alpha = gl.exp2(m_i - m_new)
-        acc = acc * alpha[None, :]
+        if D == 256:  # acc: the halves' accumulators
+            acc = (acc[0] * alpha[None, :], acc[1] * alpha[None, :])
+        else:
+            acc = acc * alpha[None, :]
         a2 = gl.max(gl.reshape(gl.zeros([TILE, 8], gl.float32, layout=_MMA) + alpha[None, :],
                                [8, 8, 8]), axis=0)
         l_p = l_p * a2
@@ -1055,10 +1142,12 @@ def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED: 
     pb = gl.convert_layout((p * vs).to(gl.float16), _OP_B)
     if UNIFORM:
         z_p = z_p + _lane_sums(p * vz)
-    if VALS == 0 or VALS == 3:
-        acc = mma_v2(_value_operand(vw, tabv, VALS == 3, D), pb, acc)
+    if D == 256:  # vw: the halves' words, the first half's first
+        N: gl.constexpr = 16 if (VALS == 0 or VALS == 3) else 12
+        acc = (mma_v2(_value_operand(vw[0:N], tabv, VALS, 128), pb, acc[0]),
+               mma_v2(_value_operand(vw[N:2 * N], tabv, VALS, 128), pb, acc[1]))
     else:
-        acc = mma_v2(_value_operand3(vw, tabv, D), pb, acc)
+        acc = mma_v2(_value_operand(vw, tabv, VALS, D), pb, acc)
     return m_i, l_p, z_p, acc
 
 
@@ -1084,16 +1173,31 @@ def _l2_page(tp, limit, seq_len, bt_row, lane, BS: gl.constexpr):
 
 @gluon.jit
 def _l2_prefetch(page, page0, sc_b, sc_h, lane, BS: gl.constexpr, D: gl.constexpr):
-    """L2 prefetch of the lane's two 128-byte lines of its (page, KV head) block (sc_h bytes)
-    where page >= 0."""
-    off = (lane % (32 * BS // TILE)) * 256
-    if D != 128:  # a smaller block: the lanes past its end prefetch nothing
+    """L2 prefetch of the lane's two 128-byte lines (four at head size 256) of its (page, KV
+    head) block (sc_h bytes) where page >= 0."""
+    if D == 256:
+        off = (lane % (32 * BS // TILE)) * 512
         page = gl.where(off < sc_h, page, -1)
+        base = page0 + gl.maximum(page, 0).to(gl.int64) * sc_b + off
+        _prefetch2(gl.where(off + 256 < sc_h, page, -1), base + 256, off + 384, sc_h)
+        r = _prefetch2(page, base, off + 128, sc_h)
+    else:
+        off = (lane % (32 * BS // TILE)) * 256
+        if D != 128:  # a smaller block: the lanes past its end prefetch nothing
+            page = gl.where(off < sc_h, page, -1)
+        r = _prefetch2(page, page0 + gl.maximum(page, 0).to(gl.int64) * sc_b + off, off + 128,
+                       sc_h)
+    return r
+
+
+@gluon.jit
+def _prefetch2(page, addr, off2, sc_h):
+    """L2 prefetch of the line at addr where page >= 0, and of the next one where also
+    off2 < sc_h."""
     return gl.inline_asm_elementwise(
         "{ .reg .pred p, q; setp.ge.s32 p, $1, 0; setp.lt.and.s32 q, $3, $4, p; mov.u32 $0, 0; "
         "@p prefetch.global.L2 [$2]; @q prefetch.global.L2 [$2+128]; }",
-        "=r,r,l,r,r", [page, page0 + gl.maximum(page, 0).to(gl.int64) * sc_b + off, off + 128,
-                       sc_h], dtype=gl.int32, is_pure=False, pack=1)
+        "=r,r,l,r,r", [page, addr, off2, sc_h], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -1144,8 +1248,8 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s
     together), merged online with a running max per head; every lane loads the LSEs itself, so
     the max needs no cross-lane reduction."""
     HP: gl.constexpr = 4 if GROUP <= 4 else 8  # a part's rows held per lane: 16 or 32 fp32
-    STEP: gl.constexpr = 32 // HP
-    MS: gl.constexpr = _MS if D == 128 else _MS64
+    STEP: gl.constexpr = (16 if D == 256 else 32) // HP   # 128 loaded fp32 a lane (64 at D = 64)
+    MS: gl.constexpr = _MS if D == 128 else _MS64 if D == 64 else _MS256
     L2D: gl.constexpr = gl.SliceLayout(2, MS)    # [STEP, HP]
     P2: gl.constexpr = gl.SliceLayout(0, MS)     # [HP, D]
     LH: gl.constexpr = gl.SliceLayout(0, L2D)
@@ -1183,6 +1287,36 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s
         gl.store(lse_ptr + b.to(gl.int64) * sl_r + kvh * GROUP + hh,
                  gl.where(tot > 0.0, m + gl.log(gl.where(tot > 0.0, tot, 1.0)),
                           float("-inf")), mask=hm)
+
+
+@gluon.jit
+def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab, tabv, tau,
+             page0, lane, sc_b, sc_h, BS: gl.constexpr, K_OFF: gl.constexpr,
+             KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
+             VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr):
+    """A split's tiles at head size 256: both halves' words do not fit the registers beside
+    the halves' accumulators a tile ahead, so each tile loads its own key words, then its value
+    words once the scores are computed; the blocks L2_AHEAD tiles ahead are prefetched into L2
+    as at the other head sizes. Returns the softmax state and the accumulators [128, 8] of the
+    halves."""
+    qb = _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS, 256)
+    m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
+    l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
+    z_p = l_p
+    acc = (gl.zeros([128, 8], gl.float32, layout=_MMA), gl.zeros([128, 8], gl.float32, layout=_MMA))
+    pages = _pages(t0, seq_len, bt_row, lane, BS, MAP)
+    pf = _l2_page(t0 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
+    for t in range(t0, t1):
+        _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, 256)
+        # every tile masked: a compare per row, and the last, partial tile needs no own code
+        kw, skn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, 256)
+        s = _scores(kw, skn, t, seq_len, qb, tab, tau, True, KEYS, MAP, 256)
+        vw, svs, svz = _load_v(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS, 256)
+        pages = _pages(t + 1, seq_len, bt_row, lane, BS, MAP)
+        m_i, l_p, z_p, acc = _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv,
+                                     True, VALS, MAP, 256)
+        pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
+    return m_i, l_p, z_p, acc
 
 
 # tiles ahead of the loop whose blocks are prefetched into L2 (more bytes in flight than the
@@ -1259,51 +1393,58 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     else:
         tau = 16 * ((rho % 8) // 2) + 2 * (rho // 8) + rho % 2
 
-    # the first tile's words are loaded first, the query rotated while they are in flight; the
-    # page indices run a tile ahead of the words, so a block-table miss never waits in line
-    # before a tile's word loads
-    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, MAP), page0, lane, sc_b,
-                            BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS, MAP, D)
-    pages = _pages(t0 + 1, seq_len, bt_row, lane, BS, MAP)
-    hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
-    q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
-    qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, KEYS, D)
-    if STORE:
-        # the step's new token, stored by the last split (it reads the sequence's last tile
-        # last) while the first tile's words are in flight; read again if that tile is the last
-        if split == NUM_SPLITS - 1:
-            _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr,
-                             ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
-                             VS_OFF, VZ_OFF, K_LUT, K_BND, V_LUT, V_BND, K_FOLD, V_FOLD, KEYS,
-                             VALS)
-            if t0 == n_tiles - 1:
-                kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, MAP), page0, lane,
-                                        sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
-                                        VALS, MAP, D)
+    if D == 256:
+        hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
+        q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
+        m_i, l_p, z_p, acc = _loop256(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, t0, t1, seq_len,
+                                      bt_row, tab, tabv, tau, page0, lane, sc_b, sc_h, BS, K_OFF,
+                                      KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS, MAP)
+    else:
+        # the first tile's words are loaded first, the query rotated while they are in flight; the
+        # page indices run a tile ahead of the words, so a block-table miss never waits in line
+        # before a tile's word loads
+        kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, MAP), page0, lane, sc_b,
+                                BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS, MAP, D)
+        pages = _pages(t0 + 1, seq_len, bt_row, lane, BS, MAP)
+        hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
+        q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
+        qb = _fused_query(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, KEYS, D)
+        if STORE:
+            # the step's new token, stored by the last split (it reads the sequence's last tile
+            # last) while the first tile's words are in flight; read again if that tile is the last
+            if split == NUM_SPLITS - 1:
+                _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr,
+                                 ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
+                                 VS_OFF, VZ_OFF, K_LUT, K_BND, V_LUT, V_BND, K_FOLD, V_FOLD, KEYS,
+                                 VALS)
+                if t0 == n_tiles - 1:
+                    kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, MAP), page0, lane,
+                                            sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
+                                            VALS, MAP, D)
 
-    # a finite "-inf": the first tile always takes the rescale branch (alpha = 0)
-    m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
-    l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
-    z_p = l_p
-    acc = gl.zeros([D, 8], gl.float32, layout=_MMA)
-    # the words of the next tile are in flight while a tile is computed, each role's loaded once
-    # the current tile's words of that role are consumed (keys after the scores, values after
-    # P·V), with the page indices a tile further ahead, so the loads wait for nothing. The
-    # barriers (one warp: no waiting) pin the loads there: ptxas otherwise sinks them to the
-    # end of the loop body, closer to their use than the HBM latency. The words of the last
-    # split's last tile are loaded once its other tiles are done.
-    pf = _l2_page(t0 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
-    for t in range(t0, t_mid):
-        _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, D)
-        m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len, m_i, l_p,
-                                               z_p, acc, qb, tab, tabv, tau, page0, lane, sc_b,
-                                               BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
-                                               VALS, MAP, D)
-        pages = _pages(t + 2, seq_len, bt_row, lane, BS, MAP)
-        pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
-    if t_mid < t1:  # the last split: the sequence's partial last tile
-        m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv,
-                                   tau, True, KEYS, VALS, MAP, D)
+        # a finite "-inf": the first tile always takes the rescale branch (alpha = 0)
+        m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
+        l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
+        z_p = l_p
+        acc = gl.zeros([D, 8], gl.float32, layout=_MMA)
+        # the words of the next tile are in flight while a tile is computed, each role's loaded once
+        # the current tile's words of that role are consumed (keys after the scores, values after
+        # P·V), with the page indices a tile further ahead, so the loads wait for nothing. The
+        # barriers (one warp: no waiting) pin the loads there: ptxas otherwise sinks them to the
+        # end of the loop body, closer to their use than the HBM latency. The words of the last
+        # split's last tile are loaded once its other tiles are done.
+        pf = _l2_page(t0 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
+        for t in range(t0, t_mid):
+            _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, D)
+            m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len, m_i, l_p,
+                                                   z_p, acc, qb, tab, tabv, tau, page0, lane, sc_b,
+                                                   BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
+                                                   VALS, MAP, D)
+            pages = _pages(t + 2, seq_len, bt_row, lane, BS, MAP)
+            pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
+        if t_mid < t1:  # the last split: the sequence's partial last tile
+            m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv,
+                                       tau, True, KEYS, VALS, MAP, D)
 
     l_i = gl.convert_layout(gl.sum(l_p, axis=0), _HEADS)
     has = l_i > 0.0
@@ -1312,15 +1453,24 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                    float("-inf"))
     heads = gl.arange(0, 8, layout=_HEADS)
     dims = gl.arange(0, D, layout=gl.SliceLayout(1, _MMA))
-    dim = (D // 8) * (dims % 8) + dims // 8
+    if D == 256:  # rows of the two halves, each as at head size 128
+        dim = (dims // 128) * 128 + 16 * (dims % 8) + (dims % 128) // 8
+    else:
+        dim = (D // 8) * (dims % 8) + dims // 8
     if VALS == 0 or VALS == 2:
         z = gl.convert_layout(gl.sum(z_p, axis=0), _HEADS) * inv
+        if D == 256:
+            acc = gl.convert_layout(_cat_rows(acc[0], acc[1]), _MMA)
         o = acc * inv[None, :] + z[None, :]
     else:
         # rotated values: o = õ·Rᵀ, i.e. row ρ of the output is s[dim]/√D · (H·õ)[ρ] (a bit
         # permutation of the coordinates leaves H unchanged); splits merge linearly after it
         if D == 128:
             o = gl.convert_layout(_wht_rows(gl.convert_layout(acc * inv[None, :], _QL)), _MMA)
+        elif D == 256:
+            a = gl.convert_layout(acc[0] * inv[None, :], _QL)
+            a2 = gl.convert_layout(acc[1] * inv[None, :], _QL)
+            o = gl.convert_layout(_cat_rows(_wht_rows(a + a2), _wht_rows(a - a2)), _MMA)
         else:
             o = gl.convert_layout(_wht_rows64(gl.convert_layout(acc * inv[None, :], _QL64)),
                                   _MMA)

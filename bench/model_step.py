@@ -111,7 +111,7 @@ def model_outside_attention(model_name: str, sizes: list[int], backed: bool = Fa
     return out
 
 
-def profile_steps(step, n: int = 6, top: int = 14) -> dict:
+def profile_steps(step, n: int = 6, top: int = 30) -> dict:
     """torch.profiler over n engine steps: GPU kernel time and busy fraction per step, the
     kernels that take most of it, and the host ops that take most CPU time."""
     from torch.autograd import DeviceType

@@ -150,7 +150,8 @@ def profile_steps(step, n: int = 6, top: int = 30) -> dict:
 
 
 def decode_steps(model_name: str, kv_cache_dtype: str, sizes: list[int], ctx: int,
-                 steps: int, kv_bytes: int, profile: bool = False) -> dict:
+                 steps: int, kv_bytes: int, profile: bool = False,
+                 fuse_projections: bool | None = None) -> dict:
     from tqattn import LLM, SamplingParams
 
     budget = 8192
@@ -159,7 +160,8 @@ def decode_steps(model_name: str, kv_cache_dtype: str, sizes: list[int], ctx: in
     max_tokens = -(-max(sizes) * ctx // budget) + 2 * steps + 16
     llm = LLM(model_name, load_format="dummy", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
               max_model_len=ctx + max_tokens, max_num_seqs=max(sizes), max_num_batched_tokens=budget,
-              enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes)
+              enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes,
+              fuse_projections=fuse_projections)
     engine = llm.llm_engine
     out = {"startup_times": engine.startup_times, "step_ms": {}, "cache_tokens":
            engine.plan["cache_tokens"]}
@@ -202,6 +204,8 @@ def main() -> int:
                    help="KV-cache budget (bf16 needs ~42 GiB for 256 x 1.1K tokens of Qwen3-4B)")
     p.add_argument("--backed", action="store_true",
                    help="also time the trivial forward compiled with a backed dynamic token size")
+    p.add_argument("--fuse-projections", choices=["default", "on", "off", "both"],
+                   default="default", help="the engine's fuse_projections; both: off, then on")
     p.add_argument("--skip-engine", action="store_true", help="only the trivial forward")
     p.add_argument("--skip-trivial", action="store_true", help="only the engine's steps")
     p.add_argument("--profile", action="store_true",
@@ -214,10 +218,13 @@ def main() -> int:
                                                                                 args.backed)}
     gc.collect()
     torch.cuda.empty_cache()
+    fuse = {"default": [(None, "")], "on": [(True, "")], "off": [(False, "")],
+            "both": [(False, " unfused"), (True, " fused")]}[args.fuse_projections]
     for dtype in ([] if args.skip_engine else args.kv_cache_dtypes.split(",")):
-        result["engine"][dtype] = decode_steps(args.model, dtype, sizes, args.ctx, args.steps,
-                                               int(args.kv_cache_gib * 2**30),
-                                               args.profile)
+        for f, tag in fuse:
+            result["engine"][dtype + tag] = decode_steps(
+                args.model, dtype, sizes, args.ctx, args.steps, int(args.kv_cache_gib * 2**30),
+                args.profile, f)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tqattn.engine import compilation
-from tqattn.engine.llm_engine import EngineArgs, resolve_compile_model
+from tqattn.engine.llm_engine import EngineArgs, resolve_compile_model, resolve_fuse_projections
 
 from .test_llm_reference import _one_thread, random_prompts  # noqa: F401
 
@@ -226,3 +226,28 @@ def test_compile_layers_raises_dynamos_recompile_limit():
         compilation.compile_layers(model)
         assert torch._dynamo.config.recompile_limit == 1000
 
+
+
+def test_fuse_projections_switch_and_tokens():
+    """fuse_projections: on CUDA without tensor parallelism by default, off on CPU; an engine
+    with fused projections generates the tokens of one without (float32, greedy)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_fuse_projections(EngineArgs(), cuda) is True
+    assert resolve_fuse_projections(EngineArgs(), cpu) is False
+    assert resolve_fuse_projections(EngineArgs(tensor_parallel_size=2), cuda) is False
+    assert resolve_fuse_projections(EngineArgs(fuse_projections=True), cpu) is True
+    assert resolve_fuse_projections(EngineArgs(fuse_projections=False), cuda) is False
+    with pytest.raises(ValueError, match="fuse_projections must be True, False or None, got 1"):
+        EngineArgs(fuse_projections=1)
+    with pytest.raises(ValueError, match="fuse_projections=True needs tensor_parallel_size=1"):
+        EngineArgs(fuse_projections=True, tensor_parallel_size=2)
+    prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": list(range(5, 20))}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for fuse in (False, True):
+        llm = LLM("qwen3-tiny", dtype="float32", kv_cache_dtype="turboquant_k3v4_nc",
+                  fuse_projections=fuse, **SMALL)
+        attn = llm.llm_engine.runner.model.model.layers[0].self_attn
+        assert hasattr(attn, "qkv_proj") is fuse
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert tokens[0] == tokens[1]

@@ -166,6 +166,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("enforce_eager", action="store_true", help="no compiled model, no CUDA graphs")
     flag("compile_model", action=argparse.BooleanOptionalAction,
          help="torch.compile the model at start-up (default: on CUDA unless --enforce-eager)")
+    flag("fuse_projections", action=argparse.BooleanOptionalAction,
+         help="run the q/k/v projections as one GEMM and the gate/up projections as another "
+              "(default: on CUDA without tensor parallelism)")
     flag("async_scheduling", action=argparse.BooleanOptionalAction,
          help="launch each step before reading the previous step's tokens, overlapping host and "
               "device work (default: on CUDA)")

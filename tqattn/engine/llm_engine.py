@@ -32,6 +32,7 @@ from tqattn.attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, FULL
                                        build_attention_layers, describe_full_precision,
                                        describe_plan, full_precision_layers, resolve_kv_cache_dtypes)
 from tqattn.models import load_config, load_model
+from tqattn.models.fused_projections import fuse_projections
 from tqattn.models.loader import LoadedModel
 from tqattn.models.sharding import split_heads
 from tqattn.quant.presets import PRESETS
@@ -81,6 +82,8 @@ class EngineArgs:
     compile_model: bool | None = None  # torch.compile the model; None: on CUDA unless enforce_eager
     async_scheduling: bool | None = None  # launch step N+1 before reading N's tokens; None: on CUDA
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over
+    # q/k/v and gate/up projections as one GEMM each; None: on CUDA without tensor parallelism
+    fuse_projections: bool | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -115,6 +118,12 @@ class EngineArgs:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer (1 = no tensor "
                              f"parallelism), got {tp!r}")
+        if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
+            raise ValueError(f"fuse_projections must be True, False or None, got "
+                             f"{self.fuse_projections!r}")
+        if self.fuse_projections and tp > 1:
+            raise ValueError("fuse_projections=True needs tensor_parallel_size=1 (the tensor-"
+                             "parallel plan shards the q/k/v and gate/up projections one by one)")
         if self.enforce_eager and self.compile_model:
             raise ValueError("enforce_eager=True runs the model eagerly (no compilation, no CUDA "
                              "graphs); it cannot be combined with compile_model=True")
@@ -141,6 +150,14 @@ def resolve_device(args: EngineArgs) -> torch.device:
     return device
 
 
+def resolve_fuse_projections(args: EngineArgs, device: torch.device) -> bool:
+    """Whether the q/k/v and gate/up projections run fused: fuse_projections if set, else on
+    CUDA without tensor parallelism (on CPU the model stays transformers' own)."""
+    if args.fuse_projections is not None:
+        return args.fuse_projections
+    return device.type == "cuda" and args.tensor_parallel_size == 1
+
+
 def setup_compilation(args: EngineArgs, device: torch.device) -> bool:
     """Compile caches and counters of this process; returns whether the model is compiled."""
     compile_model = resolve_compile_model(args, device)
@@ -159,6 +176,8 @@ def build_model_runner(args: EngineArgs, device: torch.device,
     loaded = load_model(args.model, dtype=args.dtype, load_format=args.load_format, device=device,
                         seed=args.seed, max_model_len=args.max_model_len,
                         tensor_parallel_size=args.tensor_parallel_size)
+    if resolve_fuse_projections(args, device):
+        fuse_projections(loaded.model)
     key_plan = plan_keys(args, loaded, tp)
     layers = attention_layers(args, loaded, key_plan)
     calibration.apply_key_offsets(layers, key_plan, device)

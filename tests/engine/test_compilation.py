@@ -228,9 +228,10 @@ def test_compile_layers_raises_dynamos_recompile_limit():
 
 
 
-def test_fuse_projections_switch_and_tokens():
+def test_fuse_projections_switch_and_scores():
     """fuse_projections: on CUDA without tensor parallelism by default, off on CPU; an engine
-    with fused projections generates the tokens of one without (float32, greedy)."""
+    with fused projections, eager or compiled (one Dynamo graph for all layers), scores a prompt
+    as one without (float32; token by token through the decode path, and in chunks)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_fuse_projections(EngineArgs(), cuda) is True
     assert resolve_fuse_projections(EngineArgs(), cpu) is False
@@ -241,13 +242,19 @@ def test_fuse_projections_switch_and_tokens():
         EngineArgs(fuse_projections=1)
     with pytest.raises(ValueError, match="fuse_projections=True needs tensor_parallel_size=1"):
         EngineArgs(fuse_projections=True, tensor_parallel_size=2)
-    prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": list(range(5, 20))}]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    tokens = []
-    for fuse in (False, True):
+    ids = random_prompts([70], seed=7)[0]
+    scores = []
+    compilation.install()
+    for fuse, compiled in ((False, False), (True, False), (True, True)):
+        before = compilation.mark()
         llm = LLM("qwen3-tiny", dtype="float32", kv_cache_dtype="turboquant_k3v4_nc",
-                  fuse_projections=fuse, **SMALL)
+                  fuse_projections=fuse, compile_model=compiled, **SMALL)
         attn = llm.llm_engine.runner.model.model.layers[0].self_attn
         assert hasattr(attn, "qkv_proj") is fuse
-        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-    assert tokens[0] == tokens[1]
+        # the fused members keep one compiled graph for every layer
+        assert compilation.builds_since(before)["dynamo"] == int(compiled)
+        scores.append([llm.score(ids, chunk_size=c) for c in (1, 24)])
+    for got in scores[1:]:
+        for a, b in zip(got, scores[0]):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    assert not compilation.graph_breaks()

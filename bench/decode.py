@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import fa3 as fa3_mod  # noqa: E402
 from bench.common import FLUSH_MODES, Timer, copy_bandwidth_gbs, environment  # noqa: E402
+from tqattn.attention.turboquant import padded_head_size  # noqa: E402
 from tqattn.kernels import step  # noqa: E402
 from tqattn.kernels.decode import decode_attention_triton  # noqa: E402
 from tqattn.kernels.store import store_kv_triton  # noqa: E402
@@ -159,7 +160,39 @@ def fa3_rows(timers, fa3, q, k, v, seq_lens, bt, ref, base, bf16_bytes) -> list[
     return rows
 
 
-def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=()):
+def padded_rows(timers, presets, q, k, v, bt, seq_lens, ref, base, fa3_us, d_cache):
+    """The presets on a cache padded to head size d_cache (the engine's kv_cache_pad_head_size):
+    K/V zero-padded before the store, the query padded and the output cut back inside the
+    timed call, as the backend does."""
+    b, hq, d = q.shape
+    hk, pad = k.shape[2], d_cache - d
+    rows = []
+    for name in presets:
+        codec = TQCodec(name, d_cache, device="cuda")
+        cache = fill_cache(codec, F.pad(k, (0, pad)), F.pad(v, (0, pad)), hk)
+        out = torch.empty((b, hq, d), dtype=torch.bfloat16, device="cuda")
+
+        def call():
+            out.copy_(decode_attention_triton(codec, F.pad(q, (0, pad)), cache, bt,
+                                              seq_lens)[..., :d])
+        call()
+        cs = cosines(out, ref)
+        r = timed_all(timers, call)
+        row = {**base, "method": f"{name}@{d_cache}", "slot_bytes": codec.slot_bytes,
+               "bits_per_elem": codec.slot_bytes * 8 / (2 * d),
+               "kv_bytes": k.shape[0] * k.shape[1] * hk * codec.slot_bytes,
+               "cos": cs[0], "cos_worst": cs[1], "finite": bool(torch.isfinite(out).all()), **r}
+        if fa3_us:
+            row["x_fa3"] = r["us"] / fa3_us
+        print(f"  B={b} D={d} {row['method']:<24} {r['us']:.1f}us x_fa3={row.get('x_fa3', 0):.3f} "
+              f"cos={cs[0]:.4f} ({cs[1]:.3f})", flush=True)
+        rows.append(row)
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=(), pad_to=None):
     t_start = time.time()
     q, k, v, bt = make_data(b, l, hq, hk, d)
     seq_lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
@@ -207,6 +240,8 @@ def run_shape(timers, hq, hk, d, b, l, presets, copy_gbs, fa3, cos_only=()):
         rows.append(row)
         del cache, out
         torch.cuda.empty_cache()
+    if pad_to:
+        rows += padded_rows(timers, presets, q, k, v, bt, seq_lens, ref, base, fa3_us, pad_to)
     for rr in rows:
         if "us" in rr:
             rr["gbs"] = rr["kv_bytes"] / rr["us"] / 1e3
@@ -268,7 +303,8 @@ def _store_cell(r):
 def render(result, tag, presets):
     env, copy = result["env"], result["copy"]
     rows = result["rows"]
-    methods = ["sdpa_bf16", "fa3_bf16_paged", "fa3_fp8_paged"] + presets
+    methods = ["sdpa_bf16", "fa3_bf16_paged", "fa3_fp8_paged"] + presets + sorted(
+        {r["method"] for r in rows if "@" in r["method"]})  # padded caches (--pad-head-size)
     flushes = result.get("flush", ["memset"])
     md = [f"# {tag}", "", f"- device: {env['device']} ({env['sms']} SMs), torch {env['torch']}, "
           f"triton {env['triton']}, {env['date']}", f"- command: `{env['command']}`",
@@ -305,6 +341,9 @@ def main():
     ap.add_argument("--flush", default="memset",
                     help="L2 flush modes (bench.common.Timer), comma-separated; the first sets "
                          "µs / x FA3 / % copy, the others add a column each")
+    ap.add_argument("--pad-head-size", action="store_true",
+                    help="also each preset on a cache zero-padded to the next tensor-core head "
+                         "size (80, 96 -> 128), as kv_cache_pad_head_size stores it")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="decode_h200")
     ap.add_argument("--render", help="only write the markdown of an existing result JSON")
@@ -348,7 +387,8 @@ def main():
     for hq, hk, d, b, l in shapes:
         rows += run_shape(timers, hq, hk, d, b, l, presets, copy["gbs_rw"], fa3,
                           cos_only=[p for p in VLLM + OURS + COSINE_ONLY if p not in presets]
-                          if (hq, d, b, l) == (32, 128, 8, 16384) else ())
+                          if (hq, d, b, l) == (32, 128, 8, 16384) else (),
+                          pad_to=padded_head_size(d) if args.pad_head_size else None)
         save()
     save()
     md = render(result, args.tag, presets)

@@ -33,6 +33,19 @@ def test_turboquant_backend_cuda(preset, reqs, window, softcap):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("preset", ["turboquant_k3v4_nc", "tq_k4v3"])
+@pytest.mark.parametrize("d", [80, 96])
+@pytest.mark.parametrize("fused", [False, True], ids=["store_then_forward", "fused"])
+def test_turboquant_padded_cache_cuda(preset, d, fused):
+    """Head sizes 80 / 96 on a cache padded to 128 (kv_cache_pad_head_size): the tensor-core
+    decode kernel and the head-128 store and dequant kernels, against the reference."""
+    s = spec(hq=8, hk=2, d=d, dtype=torch.bfloat16, kv=preset, kv_cache_head_size=128)
+    for reqs in (tq_tests.DECODES, BIG_MIXED):
+        out, ref, *_ = tq_tests.run_step(s, reqs, fa_version="auto", device="cuda", fused=fused)
+        assert out.shape[-1] == d
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("kv", ["auto", "turboquant_4bit_nc"])
 def test_forward_has_no_host_sync(kv):
     """A mixed batch (decodes, short and long continuations, a fresh prompt) captured in a CUDA

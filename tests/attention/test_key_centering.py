@@ -31,6 +31,18 @@ def test_centered_cache_is_uncentered_attention_over_the_same_codes(case, window
     check(out, ref)
 
 
+@pytest.mark.parametrize("case", ["decode", "mixed", "long"])
+def test_centering_on_a_padded_cache(case):
+    """A cache padded past the head size (kv_cache_head_size) centers with μ padded by zeros:
+    still the un-centered attention over the same codes, fused and not."""
+    reqs, threshold = CASES[case]
+    s = spec(kv=P, d=12, kv_cache_head_size=16)
+    for fused in (False, True):
+        out, ref, *_ = run_step(s, reqs, threshold=threshold, fused=fused,
+                                key_offset=big_offset(s))
+        check(out, ref)
+
+
 def test_centering_changes_the_codes_not_the_rule():
     """Centering with μ on keys k stores what an un-centered layer stores for keys k − μ."""
     s = spec(kv=P)

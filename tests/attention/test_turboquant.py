@@ -67,6 +67,8 @@ def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, threshold=None, device=
     for b, (c, n) in enumerate(reqs):
         a, e = qsl[b], qsl[b + 1]
         kc, vc = codec.folded().decode(slots[b])  # page slots: "nc" norms folded
+        # a padded cache (spec.kv_cache_head_size): the head's coordinates are its first ones
+        kc, vc = kc[..., :s.head_size], vc[..., :s.head_size]
         if key_offset is not None:
             kc = kc + key_offset.float()
         if n > 1:
@@ -140,6 +142,28 @@ def test_padding_rows_are_zero():
 def test_other_presets(preset):
     out, ref, *_ = run_step(spec(kv=preset, d=32), MIXED)
     check(out, ref)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("fused", [False, True], ids=["store_then_forward", "fused"])
+def test_padded_cache_head_size(case, fused):
+    """Head size 12 stored zero-padded to 16 (kv_cache_head_size): every path attends over the
+    head's coordinates of the padded vectors' codes; the output keeps the head size."""
+    reqs, threshold = CASES[case]
+    s = spec(kv=P, d=12, kv_cache_head_size=16)
+    out, ref, *_ = run_step(s, reqs, threshold=threshold, fused=fused, pad=2)
+    assert out.shape[-1] == 12
+    n = ref.shape[0] - 2
+    check(out[:n], ref[:n])
+    assert TurboQuantBackend.kv_cache_shape(7, 16, s) == TurboQuantBackend.kv_cache_shape(
+        7, 16, spec(kv=P, d=16))
+
+
+def test_padded_head_sizes_and_refusal():
+    assert [tq.padded_head_size(d) for d in (32, 64, 80, 96, 128, 192, 256, 320)] == [
+        64, None, 128, 128, None, 256, None, None]
+    assert "below the head size" in TurboQuantBackend.unsupported_reason(
+        spec(kv=P, d=16, kv_cache_head_size=8))
 
 
 def test_accepts_every_preset_and_uses_the_paged_shape():
@@ -216,8 +240,10 @@ def force_triton(monkeypatch, modules):
     # decode, short and long continuations, window and soft-cap: + the dequant kernel
     ([(9, 1), (6, 3), (18, 4)], 2, 4, 2.0, ("store", "decode", "dequant")),
 ], ids=["store_decode", "decode_only_fused", "with_dequant"])
-def test_triton_kernels(monkeypatch, reqs, threshold, window, softcap, modules):
+@pytest.mark.parametrize("d", [16, 12], ids=["d16", "d12_padded_16"])
+def test_triton_kernels(monkeypatch, reqs, threshold, window, softcap, modules, d):
     force_triton(monkeypatch, modules)
-    s = spec(kv=P, hq=4, hk=2, d=16, window=window, softcap=softcap)
+    s = spec(kv=P, hq=4, hk=2, d=d, window=window, softcap=softcap,
+             kv_cache_head_size=16 if d != 16 else None)
     out, ref, *_ = run_step(s, reqs, threshold=threshold, fused=True)
     check(out, ref, atol=2e-3)

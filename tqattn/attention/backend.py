@@ -43,10 +43,17 @@ class AttentionLayerSpec:
     logits_soft_cap: float = 0.0
     alibi: bool = False
     sinks: bool = False
+    # the compressed cache's head size where it differs from head_size: vectors zero-padded to
+    # it (a head size the tensor-core decode kernel runs); None: head_size
+    kv_cache_head_size: int | None = None
 
     @property
     def name(self) -> str:
         return f"layers.{self.layer_idx}.attn"
+
+    @property
+    def cache_head_size(self) -> int:
+        return self.kv_cache_head_size or self.head_size
 
 
 @dataclass

@@ -29,6 +29,7 @@ decode kernel stores them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .backend import AttentionLayerSpec
 
@@ -65,11 +66,12 @@ class KeyOffset:
         return key - self.tensor
 
     def for_store(self, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(μ, μ·R) in fp32, each (Hk, D), for a store that centers as it encodes (R: the
+        """(μ, μ·R) in fp32, each (Hk, D) (D: the rotation's size), for a store that centers as it encodes (R: the
         codec's rotation; the kernel rotates k and subtracts μ·R, as it does for outliers).
         μ is the model-dtype value :meth:`center` subtracts, so both shift scores alike."""
         if self._for_store is None or self._for_store[0] is not rotation:
-            mu = self.tensor.float()
+            # a cache padded past the head size (spec.kv_cache_head_size): μ padded with zeros
+            mu = F.pad(self.tensor.float(), (0, rotation.shape[0] - self.tensor.shape[-1]))
             mu_rot = (mu.double() @ rotation.to(mu.device).double()).float()
             self._for_store = (rotation, (mu, mu_rot))
         return self._for_store[1]

@@ -45,6 +45,11 @@ centers its new keys before the decode kernel stores them), and FlashAttention r
 chunk centered wherever it shares a softmax with the compressed prefix, so all scores of a query
 shift by the same q·μ and outputs and LSE merges stay exact.
 
+Padded cache (``spec.kv_cache_head_size``, the engine's ``kv_cache_pad_head_size``): a head
+size the tensor-core decode kernel lacks (80, 96) is stored zero-padded to the next one it runs
+(128). The store and the decode get padded K/V and queries, the outputs and the dequantized
+prefix are cut back to the head size; zero query coordinates leave every score as it was.
+
 Rotation seed: one :class:`~tqattn.quant.codec.TQCodec` per (preset, head size, device), shared
 by every layer, seed :data:`ROTATION_SEED`. A randomized Hadamard is already independent of the
 data it rotates, so per-layer seeds buy nothing measurable, while one shared codec means one
@@ -58,6 +63,7 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from . import fa_utils
 from .backend import (AUTO, AttentionBackend, AttentionImpl, AttentionLayerSpec,
@@ -72,6 +78,18 @@ from ..quant.presets import PRESETS
 CONTINUATION_DEQUANT_THRESHOLD = 32   # chunk tokens; see the module docstring
 ROTATION_SEED = 0
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# head sizes the tensor-core decode kernel runs (kernels/decode_mma.py)
+TENSOR_CORE_HEAD_SIZES = (64, 128, 256)
+
+
+def padded_head_size(head_size: int) -> int | None:
+    """The cache head size a padded layout stores ``head_size`` at (the smallest tensor-core
+    head size above it), None where none is needed or none fits."""
+    if head_size in TENSOR_CORE_HEAD_SIZES or head_size > TENSOR_CORE_HEAD_SIZES[-1]:
+        return None
+    return min(d for d in TENSOR_CORE_HEAD_SIZES if d > head_size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,6 +229,8 @@ class TurboQuantImpl(AttentionImpl):
         self.window = spec.sliding_window
         self.softcap = spec.logits_soft_cap
         self.key_offset: KeyOffset | None = None
+        # zero coordinates the cache's vectors carry past the head size (spec.kv_cache_head_size)
+        self.pad = spec.cache_head_size - spec.head_size
 
     def set_key_offset(self, offset: torch.Tensor | None,
                        device: torch.device | str | None = None) -> None:
@@ -222,7 +242,12 @@ class TurboQuantImpl(AttentionImpl):
         return key if self.key_offset is None else self.key_offset.center(key)
 
     def codec(self, device: torch.device | str = "cpu") -> TQCodec:
-        return get_codec(self.preset, self.spec.head_size, str(torch.device(device)))
+        return get_codec(self.preset, self.spec.cache_head_size, str(torch.device(device)))
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., head_size) as the cache's vectors: zeros appended up to its head size (q·k
+        and the kept output coordinates are unchanged by them)."""
+        return F.pad(x, (0, self.pad)) if self.pad else x
 
     def store(self, key, value, kv_cache, metadata) -> None:
         self._store(key, value, kv_cache, metadata)
@@ -235,7 +260,8 @@ class TurboQuantImpl(AttentionImpl):
         n = metadata.num_actual_tokens
         codec = self.codec(kv_cache.device)
         offset = self.key_offset
-        _kernels().store_kv(codec, key[:n], value[:n], kv_cache, metadata.slot_mapping[:n],
+        _kernels().store_kv(codec, self._padded(key[:n]), self._padded(value[:n]), kv_cache,
+                            metadata.slot_mapping[:n],
                             key_offset=None if offset is None else offset.for_store(codec.rotation))
 
     def store_and_forward(self, query, key, value, kv_cache, metadata: TurboQuantMetadata):
@@ -283,18 +309,30 @@ class TurboQuantImpl(AttentionImpl):
         return out
 
     def _decode(self, codec, q, kv_cache, block_table, seq_lens, **rows):
-        return _kernels().decode_attention(
+        if self.pad:  # padded cache: padded query and new K/V, the output's head_size kept
+            rows.pop("out", None)
+            if rows.get("new_kv") is not None:
+                k, v, slots = rows["new_kv"]
+                rows["new_kv"] = (self._padded(k), self._padded(v), slots)
+            q = self._padded(q)
+        res = _kernels().decode_attention(
             codec, q, kv_cache, block_table, seq_lens, scale=self.spec.scale, window=self.window,
             softcap=self.softcap, **rows)
+        if not self.pad:
+            return res
+        if rows.get("return_lse"):
+            return res[0][..., :self.spec.head_size], res[1]
+        return res[..., :self.spec.head_size]
 
     def _prefill(self, codec, q, k, v, kv_cache, md: TurboQuantMetadata):
         cu_q, max_q = md.prefill_query_start_loc, md.prefill_max_query_len
         if md.long:
             long = md.long.get(self.window, md.long.get(None))
-            prefix = q.new_empty((2, long.num_tokens, *k.shape[1:]))
+            prefix = q.new_empty((2, long.num_tokens, k.shape[1], self.spec.cache_head_size))
             k_prefix, v_prefix = _kernels().dequant_kv(
                 codec, kv_cache, long.block_table, long.seq_lens, cu_seqlens=long.cu_seqlens,
                 max_seq_len=long.max_seq_len, dtype=q.dtype, out=prefix)
+            k_prefix, v_prefix = k_prefix[..., :k.shape[-1]], v_prefix[..., :k.shape[-1]]
             k, v = pack_kv(long.gather, k_prefix, k), pack_kv(long.gather, v_prefix, v)
             cu_k, max_k = long.gather.cu_seqlens_k, long.gather.max_seqlen_k
         else:
@@ -337,7 +375,7 @@ class TurboQuantBackend(AttentionBackend):
     def kv_cache_shape(cls, num_blocks: int, block_size: int, spec: AttentionLayerSpec):
         from ..quant.paged import kv_cache_shape
         return tuple(kv_cache_shape(num_blocks, block_size, spec.num_kv_heads,
-                                    get_codec(spec.kv_cache_dtype, spec.head_size)))
+                                    get_codec(spec.kv_cache_dtype, spec.cache_head_size)))
 
     @classmethod
     def kv_cache_torch_dtype(cls, spec: AttentionLayerSpec) -> torch.dtype:
@@ -346,7 +384,8 @@ class TurboQuantBackend(AttentionBackend):
     @classmethod
     def warmup_token_counts(cls, spec, block_size, device, max_tokens):
         # the store kernel's build follows the step's row count (kernels/store.py)
-        return _kernels().store_warmup_token_counts(get_codec(spec.kv_cache_dtype, spec.head_size),
+        return _kernels().store_warmup_token_counts(get_codec(spec.kv_cache_dtype,
+                                                              spec.cache_head_size),
                                                     spec.num_kv_heads, block_size, device,
                                                     max_tokens)
 
@@ -355,8 +394,12 @@ class TurboQuantBackend(AttentionBackend):
         if spec.dtype not in MODEL_DTYPES:
             return f"model dtype {spec.dtype} not supported by {cls.name} (fp16, bf16, fp32)"
         reason = super().unsupported_reason(spec)
+        if reason is None and spec.cache_head_size < spec.head_size:
+            return (f"kv_cache_head_size={spec.kv_cache_head_size} is below the head size "
+                    f"{spec.head_size} (the cache pads vectors, it does not cut them)")
         if reason is None and spec.kv_cache_dtype in PRESETS:
-            why = PRESETS[spec.kv_cache_dtype].head_dim_unsupported_reason(spec.head_size)
+            d = spec.cache_head_size
+            why = PRESETS[spec.kv_cache_dtype].head_dim_unsupported_reason(d)
             if why is not None:
-                return f"{spec.kv_cache_dtype} cannot encode head size {spec.head_size}: {why}"
+                return f"{spec.kv_cache_dtype} cannot encode head size {d}: {why}"
         return reason

@@ -28,6 +28,7 @@ import torch
 
 from tqattn.attention.backend import AttentionLayerSpec
 from tqattn.attention.hf_attention import use_tqattn
+from tqattn.attention.turboquant import padded_head_size
 from tqattn.attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, FULL_PRECISION,
                                        build_attention_layers, describe_full_precision,
                                        describe_plan, full_precision_layers, resolve_kv_cache_dtypes)
@@ -84,6 +85,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over
     # q/k/v and gate/up projections as one GEMM each; None: on CUDA without tensor parallelism
     fuse_projections: bool | None = None
+    # compressed caches of head sizes the tensor-core decode kernel lacks (80, 96, ...) stored
+    # zero-padded to the next one it runs (64/128/256): its speed, for more bytes per token
+    kv_cache_pad_head_size: bool = False
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -118,6 +122,9 @@ class EngineArgs:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer (1 = no tensor "
                              f"parallelism), got {tp!r}")
+        if not isinstance(self.kv_cache_pad_head_size, bool):
+            raise ValueError(f"kv_cache_pad_head_size must be True or False, got "
+                             f"{self.kv_cache_pad_head_size!r}")
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be True, False or None, got "
                              f"{self.fuse_projections!r}")
@@ -220,11 +227,18 @@ def attention_layers(args: EngineArgs, loaded: LoadedModel, key_plan: calibratio
         logger.warning("kv_cache_dtype=%s: %s keep a full-precision cache", args.kv_cache_dtype,
                        describe_full_precision(rules, info.num_layers))
     heads = split_heads(info.num_q_heads, info.num_kv_heads, args.tensor_parallel_size)
+    padded = padded_head_size(info.head_dim) if args.kv_cache_pad_head_size else None
+    if padded is not None and args.kv_cache_dtype in PRESETS:
+        logger.info("kv_cache_pad_head_size: head size %d stored zero-padded to %d in the "
+                    "compressed layers (%.2fx their bytes, the tensor-core decode kernel)",
+                    info.head_dim, padded, padded / info.head_dim)
     specs = [AttentionLayerSpec(
         layer_idx=i, num_heads=heads.num_q_heads, num_kv_heads=heads.num_kv_heads,
         head_size=info.head_dim, scale=info.scaling, dtype=loaded.dtype,
         kv_cache_dtype=dtypes[i], sliding_window=info.sliding_windows[i],
-        logits_soft_cap=info.attn_logit_softcapping or 0.0) for i in range(info.num_layers)]
+        logits_soft_cap=info.attn_logit_softcapping or 0.0,
+        kv_cache_head_size=padded if dtypes[i] in PRESETS else None)
+        for i in range(info.num_layers)]
     try:
         return build_attention_layers(specs, args.block_size)
     except ValueError as e:

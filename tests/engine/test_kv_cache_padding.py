@@ -1,0 +1,35 @@
+"""kv_cache_pad_head_size: compressed layers of a head size the tensor-core decode kernel lacks
+(80 here) store zero-padded vectors of its next size (128); full-precision layers do not."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tqattn import LLM, SamplingParams  # noqa: E402
+from tqattn.engine.llm_engine import EngineArgs  # noqa: E402
+
+SMALL = dict(load_format="dummy", dtype="float32", max_model_len=160, max_num_seqs=4,
+             max_num_batched_tokens=64, enable_prefix_caching=False)
+
+
+def test_padded_layers_bytes_and_generation():
+    kw = dict(kv_cache_dtype="tq_k4v3", kv_cache_dtype_skip_layers=[1],
+              kv_cache_boundary_layers=0, **SMALL)
+    compact = LLM("llama-tiny-hd80", **kw).llm_engine
+    llm = LLM("llama-tiny-hd80", kv_cache_pad_head_size=True, **kw)
+    padded = llm.llm_engine
+    sizes = [layer.spec.cache_head_size for layer in padded.layers]
+    assert sizes == [128, 80]  # layer 1 keeps its full-precision cache
+    assert [layer.spec.cache_head_size for layer in compact.layers] == [80, 80]
+    # the compressed group's pages grow with the padding (128 / 80, less the fixed norms);
+    # the full-precision group's stay
+    grown = sorted(g.page_bytes for g in padded.kv_cache_config.groups)
+    before = sorted(g.page_bytes for g in compact.kv_cache_config.groups)
+    assert grown[1] == before[1] and 1.4 < grown[0] / before[0] <= 128 / 80
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 70))}, {"prompt_token_ids": list(range(5, 30))}]
+    res = llm.generate(prompts, params)
+    assert [len(r.outputs[0].token_ids) for r in res] == [8, 8]
+    with pytest.raises(ValueError, match="kv_cache_pad_head_size must be True or False, got 1"):
+        EngineArgs(kv_cache_pad_head_size=1)

@@ -125,13 +125,13 @@ def main():
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mma", action="store_true",
-                    help="the tensor-core kernel (turboquant_k3v4_nc, head size 128)")
+                    help="the tensor-core kernel (head size 128) of each preset")
     ap.add_argument("--store", action="store_true", help="with a decode step's new K/V")
     ap.add_argument("--splits", type=int, default=None, help="split count (default: auto)")
     args = ap.parse_args()
     overrides = {k: (v == "True" if v in ("True", "False") else int(v))
                  for k, v in (s.split("=") for s in args.set)}
-    presets = ["turboquant_k3v4_nc"] if args.mma else args.presets.split(",")
+    presets = args.presets.split(",")
     d = 128 if args.mma else args.head_dim
     results = []
     for preset in presets:

@@ -66,8 +66,9 @@ class KeyOffset:
         return key - self.tensor
 
     def for_store(self, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(μ, μ·R) in fp32, each (Hk, D) (D: the rotation's size), for a store that centers as it encodes (R: the
-        codec's rotation; the kernel rotates k and subtracts μ·R, as it does for outliers).
+        """(μ, μ·R) in fp32, each (Hk, D) (D: the rotation's size), for a store that centers as
+        it encodes (R: the codec's rotation; the kernel rotates k and subtracts μ·R, as it does
+        for outliers).
         μ is the model-dtype value :meth:`center` subtracts, so both shift scores alike."""
         if self._for_store is None or self._for_store[0] is not rotation:
             # a cache padded past the head size (spec.kv_cache_head_size): μ padded with zeros

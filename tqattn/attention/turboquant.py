@@ -72,6 +72,7 @@ from .key_centering import KeyOffset
 from .merge import merge_attn_states
 from .plan import KVGather, cumsum0, pack_kv, plan_kv_gather, segment_arange, to_device, window_start
 from .registry import register_backend
+from ..kernels._spec import MMA_HEAD_SIZES
 from ..quant.codec import TQCodec
 from ..quant.presets import PRESETS
 
@@ -80,16 +81,12 @@ ROTATION_SEED = 0
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# head sizes the tensor-core decode kernel runs (kernels/decode_mma.py)
-TENSOR_CORE_HEAD_SIZES = (64, 128, 256)
-
-
 def padded_head_size(head_size: int) -> int | None:
     """The cache head size a padded layout stores ``head_size`` at (the smallest tensor-core
     head size above it), None where none is needed or none fits."""
-    if head_size in TENSOR_CORE_HEAD_SIZES or head_size > TENSOR_CORE_HEAD_SIZES[-1]:
+    if head_size in MMA_HEAD_SIZES or head_size > MMA_HEAD_SIZES[-1]:
         return None
-    return min(d for d in TENSOR_CORE_HEAD_SIZES if d > head_size)
+    return min(d for d in MMA_HEAD_SIZES if d > head_size)
 
 
 @functools.lru_cache(maxsize=None)

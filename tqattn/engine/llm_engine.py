@@ -28,10 +28,10 @@ import torch
 
 from tqattn.attention.backend import AttentionLayerSpec
 from tqattn.attention.hf_attention import use_tqattn
-from tqattn.attention.turboquant import padded_head_size
 from tqattn.attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, FULL_PRECISION,
                                        build_attention_layers, describe_full_precision,
                                        describe_plan, full_precision_layers, resolve_kv_cache_dtypes)
+from tqattn.attention.turboquant import padded_head_size
 from tqattn.models import load_config, load_model
 from tqattn.models.fused_projections import fuse_projections
 from tqattn.models.loader import LoadedModel

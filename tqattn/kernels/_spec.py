@@ -28,6 +28,10 @@ from ..quant.paged import column_major, field_words
 from ..quant.rotation import is_signed_hadamard
 
 
+# head sizes the tensor-core decode kernel runs (kernels/decode_mma.py)
+MMA_HEAD_SIZES = (64, 128, 256)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -215,7 +219,7 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
     head size 128 (rotated keys, no padding)."""
     m, kf, vf = spec.layout, spec.key_fields, spec.value_fields
     d = m.d
-    if d not in (64, 128, 256) or len(kf) != 1 or len(vf) != 1 or m.k_nout:
+    if d not in MMA_HEAD_SIZES or len(kf) != 1 or len(vf) != 1 or m.k_nout:
         return None
     k, v = kf[0], vf[0]
     hadamard = is_signed_hadamard(spec.codec.rotation.float().cpu())

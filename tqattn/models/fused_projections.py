@@ -10,6 +10,8 @@ stays as it is. Each member's output equals its own product up to the GEMM's acc
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,7 +32,7 @@ class FusedLinear(nn.Module):
         has_bias = [m.bias is not None for m in linears]
         self.bias = (nn.Parameter(torch.cat([m.bias.detach() for m in linears]),
                                   requires_grad=False) if all(has_bias) else None)
-        ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(m.out_features for m in linears))
         self.bounds = list(zip([0] + ends[:-1], ends))
         self._x = self._y = None
         self._left = 0
@@ -49,11 +51,11 @@ class FusedLinear(nn.Module):
 class FusedMember(nn.Module):
     """One projection of a :class:`FusedLinear` group (it keeps the original's sizes)."""
 
-    def __init__(self, group: FusedLinear, i: int, in_features: int):
+    def __init__(self, group: FusedLinear, i: int):
         super().__init__()
         object.__setattr__(self, "group", group)  # held by the parent module, not by each member
         self.i = i
-        self.in_features = in_features
+        self.in_features = group.weight.shape[1]
         self.out_features = group.bounds[i][1] - group.bounds[i][0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +84,6 @@ def fuse_projections(model: nn.Module) -> int:
             group = FusedLinear(linears)
             module.add_module(fused, group)
             for i, name in enumerate(names):
-                setattr(module, name, FusedMember(group, i, linears[i].in_features))
+                setattr(module, name, FusedMember(group, i))
             n += 1
     return n

@@ -71,8 +71,9 @@ token); 4-bit row values' bytes 4g.. (one int32 per token); 3-bit column-major v
 store kernel writes the step's token first). Replayed on CPU in tests/kernels/test_mma_head64.py.
 Head size 256: two 128-coordinate halves, each loaded and decoded as a head-128 page with the
 second half's offset and twice the strides — scores K_a·Q_a + K_b·Q_b, two accumulators
-[128, 8], the query's transform as [H(a + b); H(a − b)] — and each tile loads its own words
-(the halves' words do not fit the registers a tile ahead; :func:`_loop256`); no fused store.
+[128, 8], the query's transform as [H(a + b); H(a − b)] — and each tile loads its own key and
+value words together (the halves' words do not fit the registers a tile ahead;
+:func:`_loop256`); no fused store.
 Replayed on CPU in tests/kernels/test_mma_head256.py.
 
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
@@ -1295,9 +1296,9 @@ def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab
              KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
              VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr):
     """A split's tiles at head size 256: both halves' words do not fit the registers beside
-    the halves' accumulators a tile ahead, so each tile loads its own key words, then its value
-    words once the scores are computed; the blocks L2_AHEAD tiles ahead are prefetched into L2
-    as at the other head sizes. Returns the softmax state and the accumulators [128, 8] of the
+    the halves' accumulators a tile ahead (the next tile's key words alone spill), so each tile
+    loads its own key and value words, both in flight at once; the blocks L2_AHEAD tiles ahead
+    are prefetched into L2 as at the other head sizes. Returns the softmax state and the accumulators [128, 8] of the
     halves."""
     qb = _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS, 256)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
@@ -1310,8 +1311,9 @@ def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab
         _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, 256)
         # every tile masked: a compare per row, and the last, partial tile needs no own code
         kw, skn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, 256)
-        s = _scores(kw, skn, t, seq_len, qb, tab, tau, True, KEYS, MAP, 256)
         vw, svs, svz = _load_v(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS, 256)
+        gl.thread_barrier()
+        s = _scores(kw, skn, t, seq_len, qb, tab, tau, True, KEYS, MAP, 256)
         pages = _pages(t + 1, seq_len, bt_row, lane, BS, MAP)
         m_i, l_p, z_p, acc = _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv,
                                      True, VALS, MAP, 256)

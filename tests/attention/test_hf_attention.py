@@ -112,3 +112,16 @@ def test_use_tqattn_binds_every_planned_layer():
     hf_attention.use_tqattn(model, specs[:3])
     assert model.config._attn_implementation == "tqattn"
     assert [m.tqattn_spec for m in model.modules() if hasattr(m, "tqattn_spec")] == specs[:3]
+
+
+def test_token_rows_keep_a_fused_slice_without_a_copy():
+    """A value slice of a fused q/k/v product ((1, T, 3·H·D) viewed as (1, H, T, D)) reaches the
+    op with its row stride, no copy; a layout whose tokens are not H·D contiguous is copied."""
+    qkv = torch.randn(1, 5, 3 * 2 * 4)
+    v = qkv[..., 16:].view(1, 5, 2, 4).transpose(1, 2)
+    rows = hf_attention._token_rows(v)
+    assert rows.data_ptr() == v.data_ptr() and rows.stride() == (24, 4, 1)
+    torch.testing.assert_close(rows, v[0].transpose(0, 1))
+    odd = torch.randn(1, 4, 5, 2).transpose(2, 3)  # (1, H, T, D) with D strided
+    got = hf_attention._token_rows(odd)
+    assert got.is_contiguous() and torch.equal(got, odd[0].transpose(0, 1))

@@ -42,10 +42,15 @@ def tqattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             f"{sliding_window}, scaling={scaling}, softcap={softcap}, but the KV-cache plan has "
             f"sliding_window={spec.sliding_window}, scale={spec.scale}, "
             f"softcap={spec.logits_soft_cap}")
-    q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).contiguous()
-    v = value[0].transpose(0, 1).contiguous()
+    q, k, v = (_token_rows(x) for x in (query, key, value))
     return attention(q, k, v, module.tqattn_layer).unsqueeze(0), None
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """(1, H, T, D) -> (T, H, D) with each token's H·D elements contiguous; the token stride
+    may be anything (a slice of a fused projection's product keeps its row stride, no copy)."""
+    x = x[0].transpose(0, 1)
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def register() -> str:

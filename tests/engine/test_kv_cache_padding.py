@@ -31,5 +31,39 @@ def test_padded_layers_bytes_and_generation():
     prompts = [{"prompt_token_ids": list(range(3, 70))}, {"prompt_token_ids": list(range(5, 30))}]
     res = llm.generate(prompts, params)
     assert [len(r.outputs[0].token_ids) for r in res] == [8, 8]
-    with pytest.raises(ValueError, match="kv_cache_pad_head_size must be True or False, got 1"):
+    with pytest.raises(ValueError, match="kv_cache_pad_head_size must be True, False or None, got 1"):
         EngineArgs(kv_cache_pad_head_size=1)
+
+
+def _resolve(monkeypatch, gpu: bool, dtype="tq_k4v3", heads=(32, 8), head_dim=80, softcap=0.0,
+             pad=None):
+    """resolve_pad_head_size on a stand-in config, with the tensor-core check answering ``gpu``."""
+    from types import SimpleNamespace
+    from tqattn.engine.llm_engine import resolve_pad_head_size
+    from tqattn.kernels import step
+    monkeypatch.setattr(step, "tensor_cores", lambda device: gpu)
+    info = SimpleNamespace(head_dim=head_dim, attn_logit_softcapping=softcap)
+    args = EngineArgs(kv_cache_dtype=dtype, kv_cache_pad_head_size=pad)
+    return resolve_pad_head_size(args, info, SimpleNamespace(num_q_heads=heads[0],
+                                                             num_kv_heads=heads[1]), "cpu")
+
+
+def test_pad_head_size_default_follows_the_tensor_core_kernel(monkeypatch):
+    # default: padded exactly where the tensor-core kernel would then run the layers
+    assert _resolve(monkeypatch, gpu=True) == 128
+    assert _resolve(monkeypatch, gpu=True, head_dim=96, dtype="turboquant_k3v4_nc") == 128
+    assert _resolve(monkeypatch, gpu=False) is None               # CPU, or no Gluon / sm_80
+    assert _resolve(monkeypatch, gpu=True, heads=(36, 4)) is None  # GQA group 9 > 8
+    assert _resolve(monkeypatch, gpu=True, softcap=30.0) is None   # soft-cap: portable kernel
+    assert _resolve(monkeypatch, gpu=True, dtype="auto") is None
+    assert _resolve(monkeypatch, gpu=True, head_dim=128) is None   # a kernel size already
+    assert _resolve(monkeypatch, gpu=True, dtype="tq_k3o4v3.5") is None  # no tensor-core layout
+    assert _resolve(monkeypatch, gpu=True, dtype="tq_k4v4_qjl") is None  # no Triton kernel
+    # set explicitly: as asked, whatever the device
+    assert _resolve(monkeypatch, gpu=True, pad=False) is None
+    assert _resolve(monkeypatch, gpu=False, pad=True) == 128
+
+
+def test_padding_default_is_compact_on_cpu():
+    llm = LLM("llama-tiny-hd80", kv_cache_dtype="tq_k4v3", kv_cache_boundary_layers=0, **SMALL)
+    assert [layer.spec.cache_head_size for layer in llm.llm_engine.layers] == [80, 80]

@@ -45,9 +45,9 @@ centers its new keys before the decode kernel stores them), and FlashAttention r
 chunk centered wherever it shares a softmax with the compressed prefix, so all scores of a query
 shift by the same q·μ and outputs and LSE merges stay exact.
 
-Padded cache (``spec.kv_cache_head_size``, the engine's ``kv_cache_pad_head_size``): a head
-size the tensor-core decode kernel lacks (80, 96) is stored zero-padded to the next one it runs
-(128). The store and the decode get padded K/V and queries, the outputs and the dequantized
+Padded cache (``spec.kv_cache_head_size``, the engine's ``kv_cache_pad_head_size``, on by
+default where :func:`tensor_core_padding` finds the kernel would run): a head size the tensor-core
+decode kernel lacks (80, 96) is stored zero-padded to the next one it runs (128). The store and the decode get padded K/V and queries, the outputs and the dequantized
 prefix are cut back to the head size; zero query coordinates leave every score as it was.
 
 Rotation seed: one :class:`~tqattn.quant.codec.TQCodec` per (preset, head size, device), shared
@@ -87,6 +87,22 @@ def padded_head_size(head_size: int) -> int | None:
     if head_size in MMA_HEAD_SIZES or head_size > MMA_HEAD_SIZES[-1]:
         return None
     return min(d for d in MMA_HEAD_SIZES if d > head_size)
+
+
+def tensor_core_padding(preset: str, head_size: int, num_q_heads: int, num_kv_heads: int,
+                        block_size: int, device, logits_soft_cap: float = 0.0) -> int | None:
+    """The padded cache head size at which the tensor-core decode kernel would run this layer
+    on ``device`` where it cannot at ``head_size``; None where padding would not reach it."""
+    from ..kernels import step
+    from ..kernels._spec import kernel_spec
+    padded = padded_head_size(head_size)
+    if padded is None or logits_soft_cap or not step.tensor_cores(device):
+        return None
+    try:
+        spec = kernel_spec(get_codec(preset, padded), block_size)
+    except NotImplementedError:  # a layout without Triton kernels
+        return None
+    return padded if step.tensor_core_layout(spec, num_q_heads // num_kv_heads, device) else None
 
 
 @functools.lru_cache(maxsize=None)

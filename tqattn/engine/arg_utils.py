@@ -168,7 +168,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          help="torch.compile the model at start-up (default: on CUDA unless --enforce-eager)")
     flag("kv_cache_pad_head_size", action=argparse.BooleanOptionalAction,
          help="store compressed caches of head sizes the tensor-core decode kernel lacks (80, 96) "
-              "zero-padded to the next it runs (128): its speed, for more bytes per token")
+              "zero-padded to the next it runs (128): its speed, for 1.6x / 1.33x the bytes per "
+              "token (default: where that kernel then runs them: sm_80+ GPUs, GQA group <= 8)")
     flag("fuse_projections", action=argparse.BooleanOptionalAction,
          help="run the q/k/v projections as one GEMM and the gate/up projections as another "
               "(default: on CUDA without tensor parallelism)")

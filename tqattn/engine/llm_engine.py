@@ -31,7 +31,7 @@ from tqattn.attention.hf_attention import use_tqattn
 from tqattn.attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, FULL_PRECISION,
                                        build_attention_layers, describe_full_precision,
                                        describe_plan, full_precision_layers, resolve_kv_cache_dtypes)
-from tqattn.attention.turboquant import padded_head_size
+from tqattn.attention.turboquant import padded_head_size, tensor_core_padding
 from tqattn.models import load_config, load_model
 from tqattn.models.fused_projections import fuse_projections
 from tqattn.models.loader import LoadedModel
@@ -86,8 +86,9 @@ class EngineArgs:
     # q/k/v and gate/up projections as one GEMM each; None: on CUDA without tensor parallelism
     fuse_projections: bool | None = None
     # compressed caches of head sizes the tensor-core decode kernel lacks (80, 96, ...) stored
-    # zero-padded to the next one it runs (64/128/256): its speed, for more bytes per token
-    kv_cache_pad_head_size: bool = False
+    # zero-padded to the next one it runs (128): its speed, for more bytes per token; None: where
+    # that kernel would then run the layers (a CUDA GPU of sm_80+, GQA group <= 8, no soft-cap)
+    kv_cache_pad_head_size: bool | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -122,8 +123,8 @@ class EngineArgs:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer (1 = no tensor "
                              f"parallelism), got {tp!r}")
-        if not isinstance(self.kv_cache_pad_head_size, bool):
-            raise ValueError(f"kv_cache_pad_head_size must be True or False, got "
+        if self.kv_cache_pad_head_size is not None and not isinstance(self.kv_cache_pad_head_size, bool):
+            raise ValueError(f"kv_cache_pad_head_size must be True, False or None, got "
                              f"{self.kv_cache_pad_head_size!r}")
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be True, False or None, got "
@@ -186,7 +187,7 @@ def build_model_runner(args: EngineArgs, device: torch.device,
     if resolve_fuse_projections(args, device):
         fuse_projections(loaded.model)
     key_plan = plan_keys(args, loaded, tp)
-    layers = attention_layers(args, loaded, key_plan)
+    layers = attention_layers(args, loaded, key_plan, device)
     calibration.apply_key_offsets(layers, key_plan, device)
     use_tqattn(loaded.model, [layer.spec for layer in layers])
     groups = kv_cache_groups(layers, args.block_size)
@@ -212,7 +213,22 @@ def plan_keys(args: EngineArgs, loaded: LoadedModel,
     return plan
 
 
-def attention_layers(args: EngineArgs, loaded: LoadedModel, key_plan: calibration.KeyPlan) -> list:
+def resolve_pad_head_size(args: EngineArgs, info, heads, device: torch.device) -> int | None:
+    """The head size compressed layers store: kv_cache_pad_head_size if set, else padded where
+    the tensor-core decode kernel then runs them (bench/results/decode8096_pad_h100_s25.md:
+    0.33-0.43x FA3 bf16's time padded, 0.93-3.2x compact on the portable kernel); by default
+    sliding-window layers, which that kernel does not run, stay compact."""
+    if args.kv_cache_pad_head_size is not None:
+        return padded_head_size(info.head_dim) if args.kv_cache_pad_head_size else None
+    if args.kv_cache_dtype not in PRESETS:
+        return None
+    return tensor_core_padding(args.kv_cache_dtype, info.head_dim, heads.num_q_heads,
+                               heads.num_kv_heads, args.block_size, device,
+                               info.attn_logit_softcapping or 0.0)
+
+
+def attention_layers(args: EngineArgs, loaded: LoadedModel, key_plan: calibration.KeyPlan,
+                     device: torch.device) -> list:
     """Each layer's spec from the HF config (this rank's heads with tensor parallelism), its KV
     dtype from the routing (``key_plan.auto_layers``: what automatic routing chose), its
     backend."""
@@ -227,17 +243,20 @@ def attention_layers(args: EngineArgs, loaded: LoadedModel, key_plan: calibratio
         logger.warning("kv_cache_dtype=%s: %s keep a full-precision cache", args.kv_cache_dtype,
                        describe_full_precision(rules, info.num_layers))
     heads = split_heads(info.num_q_heads, info.num_kv_heads, args.tensor_parallel_size)
-    padded = padded_head_size(info.head_dim) if args.kv_cache_pad_head_size else None
-    if padded is not None and args.kv_cache_dtype in PRESETS:
-        logger.info("kv_cache_pad_head_size: head size %d stored zero-padded to %d in the "
-                    "compressed layers (%.2fx their bytes, the tensor-core decode kernel)",
-                    info.head_dim, padded, padded / info.head_dim)
+    padded = resolve_pad_head_size(args, info, heads, device)
+    cache_sizes = [padded if dtypes[i] in PRESETS and (
+        args.kv_cache_pad_head_size or not info.sliding_windows[i]) else None
+        for i in range(info.num_layers)]
+    if padded is not None and padded in cache_sizes:
+        logger.info("kv_cache_pad_head_size: head size %d stored zero-padded to %d in %d "
+                    "compressed layers (%.2fx their bytes, the tensor-core decode kernel; "
+                    "--no-kv-cache-pad-head-size keeps them compact)", info.head_dim, padded,
+                    cache_sizes.count(padded), padded / info.head_dim)
     specs = [AttentionLayerSpec(
         layer_idx=i, num_heads=heads.num_q_heads, num_kv_heads=heads.num_kv_heads,
         head_size=info.head_dim, scale=info.scaling, dtype=loaded.dtype,
         kv_cache_dtype=dtypes[i], sliding_window=info.sliding_windows[i],
-        logits_soft_cap=info.attn_logit_softcapping or 0.0,
-        kv_cache_head_size=padded if dtypes[i] in PRESETS else None)
+        logits_soft_cap=info.attn_logit_softcapping or 0.0, kv_cache_head_size=cache_sizes[i])
         for i in range(info.num_layers)]
     try:
         return build_attention_layers(specs, args.block_size)

@@ -83,9 +83,14 @@ def plain(query_start_loc=None, query_pos_start=None, window=None, softcap=0.0) 
 def tensor_core_decode(spec, q: torch.Tensor, num_kv_heads: int, plain: bool) -> bool:
     """Whether the tensor-core kernel runs a Triton decode call (spec: its KernelSpec; plain:
     see :func:`plain`)."""
-    group = q.shape[1] // num_kv_heads
-    return bool(plain and spec.mma and group <= MAX_MMA_GROUP and tensor_cores(q.device)
-                and (spec.mma.keys != 2 or torch.cuda.get_device_capability(q.device) >= (8, 9)))
+    return plain and tensor_core_layout(spec, q.shape[1] // num_kv_heads, q.device)
+
+
+def tensor_core_layout(spec, group: int, device) -> bool:
+    """Whether the tensor-core kernel runs this layout (KernelSpec) at ``group`` query heads
+    per KV head on ``device``."""
+    return bool(spec.mma and group <= MAX_MMA_GROUP and tensor_cores(device)
+                and (spec.mma.keys != 2 or torch.cuda.get_device_capability(device) >= (8, 9)))
 
 
 def decode_kernel_store(spec, q: torch.Tensor, num_kv_heads: int, plain: bool) -> str:

@@ -5,6 +5,8 @@ programs), timed as bench/decode.py times it (CUDA-graph replay, L2 flushed, med
 
     PYTHONPATH=. python3 bench/lab/split_sweep.py --presets turboquant_k3v4_nc,tq_k4v3 \\
         --shapes 256x1024-1280,128x1024-1280 --splits 1,2,3,4 --out $OUT/split_sweep.json
+
+``--heads 4/1/256 --shapes 32x16384-16384``: a long-context shape of another head layout.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def main() -> None:
     ap.add_argument("--presets", default="turboquant_k3v4_nc,tq_k4v3")
     ap.add_argument("--shapes", default="256x1024-1280,128x1024-1280,64x1024-1280")
     ap.add_argument("--splits", default="1,2,3,4")
+    ap.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head size")
     ap.add_argument("--out", default="split_sweep.json")
     args = ap.parse_args()
     env = {**environment(), "command": "python3 " + " ".join(sys.argv), "sms": num_sms("cuda")}
@@ -65,7 +68,9 @@ def main() -> None:
         for shape in args.shapes.split(","):
             b, ctx = shape.split("x")
             lo, hi = (int(x) for x in ctx.split("-"))
-            row = case(timer, preset, int(b), lo, hi, splits)
+            hq, hk, d = (int(x) for x in args.heads.split("/"))
+            row = case(timer, preset, int(b), lo, hi, splits, hq, hk, d)
+            row["heads"] = args.heads
             row["resident_per_sm"] = max(decode_mma._RESIDENT.values(), default=None)
             rows.append(row)
             print(json.dumps(row), flush=True)

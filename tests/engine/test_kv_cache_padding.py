@@ -67,3 +67,34 @@ def test_pad_head_size_default_follows_the_tensor_core_kernel(monkeypatch):
 def test_padding_default_is_compact_on_cpu():
     llm = LLM("llama-tiny-hd80", kv_cache_dtype="tq_k4v3", kv_cache_boundary_layers=0, **SMALL)
     assert [layer.spec.cache_head_size for layer in llm.llm_engine.layers] == [80, 80]
+
+
+@pytest.mark.gpu
+def test_padding_default_on_cuda_runs_the_tensor_core_kernel(monkeypatch):
+    """On a GPU the head-80 model's compressed layers are padded by default and its decode steps
+    run the tensor-core kernel; the compact layout (pad off) runs the portable one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tqattn.kernels import step
+    calls = []
+    dispatch = step.tensor_core_decode
+
+    def spy(spec, q, hk, plain):
+        calls.append((spec.codec.head_dim, plain, dispatch(spec, q, hk, plain)))
+        return calls[-1][2]
+
+    monkeypatch.setattr(step, "tensor_core_decode", spy)
+    kw = dict(SMALL, dtype="bfloat16", device="cuda", enforce_eager=True, kv_cache_dtype="tq_k4v3",
+              kv_cache_boundary_layers=0, kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 70))}, {"prompt_token_ids": list(range(5, 30))}]
+    for pad, size in ((None, 128), (False, 80)):
+        calls.clear()
+        llm = LLM("llama-tiny-hd80", kv_cache_pad_head_size=pad, **kw)
+        assert [layer.spec.cache_head_size for layer in llm.llm_engine.layers] == [size, size]
+        res = llm.generate(prompts, params, use_tqdm=False)
+        assert [len(r.outputs[0].token_ids) for r in res] == [8, 8]
+        assert {c[0] for c in calls} == {size}
+        decodes = [mma for _, plain, mma in calls if plain]  # one query row per sequence
+        assert decodes and all(mma == (size == 128) for mma in decodes)
+        del llm

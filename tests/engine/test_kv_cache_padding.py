@@ -98,3 +98,22 @@ def test_padding_default_on_cuda_runs_the_tensor_core_kernel(monkeypatch):
         decodes = [mma for _, plain, mma in calls if plain]  # one query row per sequence
         assert decodes and all(mma == (size == 128) for mma in decodes)
         del llm
+
+
+def test_default_padding_leaves_sliding_window_layers_compact(monkeypatch):
+    """Where padding is on by default, only the layers the tensor-core kernel would run are
+    padded: gemma3-tiny's sliding-window layers (0-2) stay compact, its full layer (3) is padded
+    (head size 16 → 64 here, the tensor-core check answered yes on the CPU); asked for
+    explicitly, every compressed layer is."""
+    from tqattn.attention.turboquant import padded_head_size
+    from tqattn.engine import llm_engine
+    monkeypatch.setattr(llm_engine, "tensor_core_padding",
+                        lambda preset, head_size, *args: padded_head_size(head_size))
+    kw = dict(SMALL, kv_cache_dtype="tq_k4v3", kv_cache_dtype_skip_layers=[],
+              kv_cache_boundary_layers=0)
+    for pad, sizes in ((None, [16, 16, 16, 64]), (True, [64, 64, 64, 64])):
+        llm = LLM("gemma3-tiny", kv_cache_pad_head_size=pad, **kw)
+        assert [layer.spec.cache_head_size for layer in llm.llm_engine.layers] == sizes
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        out = llm.generate([{"prompt_token_ids": list(range(3, 40))}], params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4

@@ -39,6 +39,7 @@ import triton.language as tl
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
 from . import _asm, _tl, step, store
+from ._asm import U4_VALUES  # by name, so that it is part of the kernels' cache key
 from ._spec import default_scale, interpreted, kernel_spec, next_pow2, num_sms
 
 
@@ -181,7 +182,7 @@ def _key_field_lut3(w0, w1, w2, q0, q1, q2, q3, q4, q5, q6, q7, s, KASM: tl.cons
 def _value_tiles_u4(w):
     """4-bit uniform value codes, int32 words [N, GP/4] (4 bytes = 4 columns) → the low-nibble
     and high-nibble tiles [N, GP] fp16, by inline asm."""
-    o = tl.inline_asm_elementwise(_asm.U4_VALUES, "=r,=r,=r,=r,r", [w], (tl.int32,) * 4,
+    o = tl.inline_asm_elementwise(U4_VALUES, "=r,=r,=r,=r,r", [w], (tl.int32,) * 4,
                                   is_pure=True, pack=1)
     return _quad_tile(o[0], o[1]), _quad_tile(o[2], o[3])
 

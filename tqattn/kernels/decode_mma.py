@@ -93,6 +93,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from . import _asm
+# the asm texts by name: Triton's cache key hashes the global constexprs a kernel names, not
+# those it reads as a module's attributes, so a changed text would reuse a stale build
+from ._asm import LUT3_ROWS, LUT3_TOKENS, LUT4_PAIRS, LUT4_ROWS, U4_PAIRS
 from ._spec import num_sms
 from ..quant.packing import pack_bits
 from ..quant.paged import page_word_bytes
@@ -507,7 +510,7 @@ def _lo_hi(x):
 
 @gluon.jit
 def _lut3(a, b, c, tab):
-    return gl.inline_asm_elementwise(_asm.LUT3_ROWS, "=r," * 16 + "r," * 6 + "r",
+    return gl.inline_asm_elementwise(LUT3_ROWS, "=r," * 16 + "r," * 6 + "r",
                                      [a, b, c, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 16,
                                      is_pure=True, pack=1)
 
@@ -581,13 +584,13 @@ def _key_rows(kw, tab, MAP: gl.constexpr, D: gl.constexpr):
 
 @gluon.jit
 def _u4(a, b):
-    return gl.inline_asm_elementwise(_asm.U4_PAIRS, "=r," * 8 + "r,r", [a, b], (gl.int32,) * 8,
+    return gl.inline_asm_elementwise(U4_PAIRS, "=r," * 8 + "r,r", [a, b], (gl.int32,) * 8,
                                      is_pure=True, pack=1)
 
 
 @gluon.jit
 def _lut4p(a, b, tab):
-    return gl.inline_asm_elementwise(_asm.LUT4_PAIRS, "=r," * 8 + "r," * 5 + "r",
+    return gl.inline_asm_elementwise(LUT4_PAIRS, "=r," * 8 + "r," * 5 + "r",
                                      [a, b, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 8,
                                      is_pure=True, pack=1)
 
@@ -639,7 +642,7 @@ def _value_rows(vw, tab, LUT: gl.constexpr, D: gl.constexpr):
 
 @gluon.jit
 def _lut4(x, tab):
-    return gl.inline_asm_elementwise(_asm.LUT4_ROWS, "=r," * 4 + "r," * 4 + "r",
+    return gl.inline_asm_elementwise(LUT4_ROWS, "=r," * 4 + "r," * 4 + "r",
                                      [x, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 4,
                                      is_pure=True, pack=1)
 
@@ -758,7 +761,7 @@ def _key_operand8(kw):
 
 @gluon.jit
 def _lut3_tokens(a, b, c, tab):
-    return gl.inline_asm_elementwise(_asm.LUT3_TOKENS, "=r," * 16 + "r," * 6 + "r",
+    return gl.inline_asm_elementwise(LUT3_TOKENS, "=r," * 16 + "r," * 6 + "r",
                                      [a, b, c, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 16,
                                      is_pure=True, pack=1)
 

@@ -125,14 +125,14 @@ def main():
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mma", action="store_true",
-                    help="the tensor-core kernel (head size 128) of each preset")
+                    help="the tensor-core kernel of each preset (--head-dim 64, 128 or 256)")
     ap.add_argument("--store", action="store_true", help="with a decode step's new K/V")
     ap.add_argument("--splits", type=int, default=None, help="split count (default: auto)")
     args = ap.parse_args()
     overrides = {k: (v == "True" if v in ("True", "False") else int(v))
                  for k, v in (s.split("=") for s in args.set)}
     presets = args.presets.split(",")
-    d = 128 if args.mma else args.head_dim
+    d = args.head_dim
     results = []
     for preset in presets:
         kernel, kw = compile_decode(preset, d, args.group, splits=args.splits, store=args.store,

@@ -31,7 +31,8 @@ def test_padded_layers_bytes_and_generation():
     prompts = [{"prompt_token_ids": list(range(3, 70))}, {"prompt_token_ids": list(range(5, 30))}]
     res = llm.generate(prompts, params)
     assert [len(r.outputs[0].token_ids) for r in res] == [8, 8]
-    with pytest.raises(ValueError, match="kv_cache_pad_head_size must be True, False or None, got 1"):
+    with pytest.raises(ValueError,
+                       match="kv_cache_pad_head_size must be True, False or None, got 1"):
         EngineArgs(kv_cache_pad_head_size=1)
 
 

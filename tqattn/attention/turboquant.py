@@ -46,9 +46,10 @@ chunk centered wherever it shares a softmax with the compressed prefix, so all s
 shift by the same q·μ and outputs and LSE merges stay exact.
 
 Padded cache (``spec.kv_cache_head_size``, the engine's ``kv_cache_pad_head_size``, on by
-default where :func:`tensor_core_padding` finds the kernel would run): a head size the tensor-core
-decode kernel lacks (80, 96) is stored zero-padded to the next one it runs (128). The store and the decode get padded K/V and queries, the outputs and the dequantized
-prefix are cut back to the head size; zero query coordinates leave every score as it was.
+default where :func:`tensor_core_padding` finds the kernel would run): a head size the
+tensor-core decode kernel lacks (80, 96) is stored zero-padded to the next one it runs (128).
+The store and the decode get padded K/V and queries, the outputs and the dequantized prefix are
+cut back to the head size; zero query coordinates leave every score as it was.
 
 Rotation seed: one :class:`~tqattn.quant.codec.TQCodec` per (preset, head size, device), shared
 by every layer, seed :data:`ROTATION_SEED`. A randomized Hadamard is already independent of the

@@ -123,7 +123,8 @@ class EngineArgs:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer (1 = no tensor "
                              f"parallelism), got {tp!r}")
-        if self.kv_cache_pad_head_size is not None and not isinstance(self.kv_cache_pad_head_size, bool):
+        pad = self.kv_cache_pad_head_size
+        if pad is not None and not isinstance(pad, bool):
             raise ValueError(f"kv_cache_pad_head_size must be True, False or None, got "
                              f"{self.kv_cache_pad_head_size!r}")
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):

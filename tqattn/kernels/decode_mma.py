@@ -1301,8 +1301,8 @@ def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab
     """A split's tiles at head size 256: both halves' words do not fit the registers beside
     the halves' accumulators a tile ahead (the next tile's key words alone spill), so each tile
     loads its own key and value words, both in flight at once; the blocks L2_AHEAD tiles ahead
-    are prefetched into L2 as at the other head sizes. Returns the softmax state and the accumulators [128, 8] of the
-    halves."""
+    are prefetched into L2 as at the other head sizes. Returns the softmax state and the
+    accumulators [128, 8] of the halves."""
     qb = _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS, 256)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
     l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))

@@ -73,7 +73,8 @@ from .key_centering import KeyOffset
 from .merge import merge_attn_states
 from .plan import KVGather, cumsum0, pack_kv, plan_kv_gather, segment_arange, to_device, window_start
 from .registry import register_backend
-from ..kernels._spec import MMA_HEAD_SIZES
+from ..kernels import step
+from ..kernels._spec import MMA_HEAD_SIZES, kernel_spec
 from ..quant.codec import TQCodec
 from ..quant.presets import PRESETS
 
@@ -94,8 +95,6 @@ def tensor_core_padding(preset: str, head_size: int, num_q_heads: int, num_kv_he
                         block_size: int, device, logits_soft_cap: float = 0.0) -> int | None:
     """The padded cache head size at which the tensor-core decode kernel would run this layer
     on ``device`` where it cannot at ``head_size``; None where padding would not reach it."""
-    from ..kernels import step
-    from ..kernels._spec import kernel_spec
     padded = padded_head_size(head_size)
     if padded is None or logits_soft_cap or not step.tensor_cores(device):
         return None

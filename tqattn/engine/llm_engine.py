@@ -125,8 +125,7 @@ class EngineArgs:
                              f"parallelism), got {tp!r}")
         pad = self.kv_cache_pad_head_size
         if pad is not None and not isinstance(pad, bool):
-            raise ValueError(f"kv_cache_pad_head_size must be True, False or None, got "
-                             f"{self.kv_cache_pad_head_size!r}")
+            raise ValueError(f"kv_cache_pad_head_size must be True, False or None, got {pad!r}")
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be True, False or None, got "
                              f"{self.fuse_projections!r}")

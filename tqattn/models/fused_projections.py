@@ -29,9 +29,9 @@ class FusedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]),
                                    requires_grad=False)
-        has_bias = [m.bias is not None for m in linears]
+        # fuse_projections groups members that all have a bias or none
         self.bias = (nn.Parameter(torch.cat([m.bias.detach() for m in linears]),
-                                  requires_grad=False) if all(has_bias) else None)
+                                  requires_grad=False) if linears[0].bias is not None else None)
         ends = list(itertools.accumulate(m.out_features for m in linears))
         self.bounds = list(zip([0] + ends[:-1], ends))
         self._x = self._y = None

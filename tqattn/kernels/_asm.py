@@ -163,19 +163,19 @@ def symmetric_table_words(centroids) -> list[int]:
 def _lut4_body(src: str, outs: tuple[str, str, str, str], tab: tuple[str, str, str, str]) -> str:
     # src: 4 bytes (byte b: codes n0, n1 in its low / high nibble) → outs[b]: their fp16 pair,
     # through the magnitude table tab. Code n is +mag[n - 8] for n >= 8, -mag[7 - n] below:
-    # c = ~x & 0x88.. flags the negative nibbles, m = x ^ 7·flag their magnitude selectors, and
-    # each flag becomes the sign bit (bit 7) of its hi-byte lookup.
+    # c = ~x & 0x88.. flags the negative nibbles and m = x ^ 7·flag their magnitude selectors.
+    # Bit 3 of each nibble (set for n >= 8) is the msb of a byte of x (odd nibbles) or of x << 4
+    # (even ones): prmt's sign-replicate selectors spread it over the byte of h that nibble's
+    # lookup fills, and the bytes left clear get the sign bit.
     text = (f"lop3.b32 c, {src}, 0x88888888, 0, 0x0C;\n"
             "shr.b32 t, c, 3;\nmul.lo.u32 u, t, 7;\n"
-            f"lop3.b32 m, {src}, u, 0x77777777, 0x28;\n")
-    for half, spread in ((0, "0x1100"), (1, "0x3322")):
+            f"lop3.b32 m, {src}, u, 0x77777777, 0x28;\nshl.b32 a, {src}, 4;\n")
+    for half, spread in ((0, "0x9D8C"), (1, "0xBFAE")):  # nibbles 4h..4h+3 → bytes 0..3
         if half:
             text += "shr.b32 m, m, 16;\n"
         text += (f"prmt.b32 l, {tab[0]}, {tab[1]}, m;\nprmt.b32 h, {tab[2]}, {tab[3]}, m;\n"
-                 # bytes [c0, c0, c1, c1]: nibble 2i's flag at bit 3 of byte 2i, 2i+1's at bit 7
-                 f"prmt.b32 a, c, 0, {spread};\n"
-                 "shl.b32 s, a, 4;\nlop3.b32 s, s, a, 0x00800080, 0xE4;\n"
-                 "lop3.b32 h, h, s, 0x80808080, 0xF8;\n"
+                 f"prmt.b32 s, {src}, a, {spread};\n"
+                 "lop3.b32 h, h, s, 0x80808080, 0xF2;\n"      # h | (~s & 0x80808080)
                  f"prmt.b32 {outs[2 * half]}, l, h, 0x5140;\n"
                  f"prmt.b32 {outs[2 * half + 1]}, l, h, 0x7362;\n")
     return text

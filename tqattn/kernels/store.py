@@ -240,21 +240,13 @@ def _row_stats(x_ptr, rows, ld_ok, D: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
-def _centered(x, bad, hrow, mu_ptr, D: tl.constexpr, DP: tl.constexpr):
-    """Rows x [HB, DP] minus their head's key offset μ (fp32 (Hk, D) at mu_ptr); bad rows 0."""
-    d = tl.arange(0, DP)[None, :]
-    mu = tl.load(mu_ptr + hrow[:, None] * D + d, mask=d < D, other=0.0)
-    return tl.where(bad[:, None], 0.0, x - mu)
-
-
-@triton.jit
-def _offset_rows(mur_ptr, hrow, bad, D: tl.constexpr, START: tl.constexpr, COUNT: tl.constexpr,
-                 FDP: tl.constexpr):
-    """The rotated offset μR of each row's head at coordinates [START, START+COUNT): [HB, FDP]
-    fp32 (0 for bad rows, whose codes the NaN norm voids anyway)."""
+def _head_rows(ptr, hrow, D: tl.constexpr, START: tl.constexpr, COUNT: tl.constexpr,
+               FDP: tl.constexpr):
+    """Coordinates [START, START+COUNT) of each row's head's row of an fp32 (Hk, D) table (the
+    key offset μ or its rotation μR): [HB, FDP]. Callers issue these loads first, so that they
+    overlap the rows' loads and reductions."""
     j = tl.arange(0, FDP)[None, :]
-    r = tl.load(mur_ptr + hrow[:, None] * D + START + j, mask=j < COUNT, other=0.0)
-    return tl.where(bad[:, None], 0.0, r)
+    return tl.load(ptr + hrow[:, None] * D + START + j, mask=j < COUNT, other=0.0)
 
 
 @triton.jit
@@ -279,13 +271,18 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
     else:
         r0 = 0.0
         r1 = 0.0
+    if CENTER:  # μ, and μR of each field, 0 for bad rows (whose codes the NaN norm voids)
+        mu = _head_rows(mu_ptr, hrow, D, 0, D, DP)
+        mur0 = _head_rows(mur_ptr, hrow, D, F0.start, F0.count, F0.gp * F0.cpw)
+        if HAS_F1:
+            mur1 = _head_rows(mur_ptr, hrow, D, F1.start, F1.count, F1.gp * F1.cpw)
     bnd0 = _table16(tab_ptr + F0.bnd, (1 << F0.bits) - 1)
     cen0 = _table16(tab_ptr + F0.lut, (1 << F0.bits) if FOLD else 0)
     bnd1 = _table16(tab_ptr + F1.bnd, (1 << F1.bits) - 1 if HAS_F1 else 0)
     cen1 = _table16(tab_ptr + F1.lut, (1 << F1.bits) if FOLD and HAS_F1 else 0)
     bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
     if CENTER:
-        x = _centered(x, bad, hrow, mu_ptr, D, DP)
+        x = tl.where(bad[:, None], 0.0, x - mu)
     if NOUT > 0:
         oidx, oval = _split_outliers(x, h_ok, cache_ptr, base, off, D, DP, HB, OI_OFF, OV_OFF,
                                      NOUT, NOUTP)
@@ -296,7 +293,7 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
         F0_DP: tl.constexpr = F0.gp * F0.cpw   # shapes take constexprs, not plain ints
         corr0 = tl.zeros([HB, F0_DP], tl.float32)
     if CENTER:
-        corr0 += _offset_rows(mur_ptr, hrow, bad, D, F0.start, F0.count, F0.gp * F0.cpw)
+        corr0 += tl.where(bad[:, None], 0.0, mur0)
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
     den = nrm + 1e-8
     y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, r0, D, DP, BK, HB, F0.start,
@@ -313,7 +310,7 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
             F1_DP: tl.constexpr = F1.gp * F1.cpw
             corr1 = tl.zeros([HB, F1_DP], tl.float32)
         if CENTER:
-            corr1 += _offset_rows(mur_ptr, hrow, bad, D, F1.start, F1.count, F1.gp * F1.cpw)
+            corr1 += tl.where(bad[:, None], 0.0, mur1)
         y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, r1, D, DP, BK, HB, F1.start,
                      F1.count, F1.gp * F1.cpw, TF32X3, NOUT > 0 or CENTER, PRE)
         code1 = _bucketize(y1, bnd1, F1.bits)
@@ -342,12 +339,15 @@ def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
     j = tl.arange(0, PC)
     rp = tl.load(rot_ptr + kk[:, None] * D + (F.start + part * PC) + j[None, :],
                  mask=(kk < D)[:, None], other=0.0)
+    if CENTER:
+        mu = _head_rows(mu_ptr, hrow, D, 0, D, DP)
+        mur = _head_rows(mur_ptr, hrow, D, F.start + part * PC, PC, PC)
     bnd = _table16(tab_ptr + F.bnd, (1 << F.bits) - 1)
     cen = _table16(tab_ptr + F.lut, (1 << F.bits) if FOLD else 0)
     bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
     if CENTER:
-        x = _centered(x, bad, hrow, mu_ptr, D, DP)
-        corr = _offset_rows(mur_ptr, hrow, bad, D, F.start + part * PC, PC, PC)
+        x = tl.where(bad[:, None], 0.0, x - mu)
+        corr = tl.where(bad[:, None], 0.0, mur)
     else:
         corr = 0.0
     nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))

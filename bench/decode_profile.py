@@ -1,8 +1,8 @@
 """Per-kernel GPU time of one decode call (torch.profiler, CUDA activity), to see where the
 time of a small decode step goes (store, split kernel, merge).
 
-    PYTHONPATH=. python3 bench/decode_profile.py --shape 8x16384 [--preset P] [--splits N] \\
-        [--new-kv]
+    PYTHONPATH=. python3 bench/decode_profile.py --shape 8x16384 [--heads 32/8/128] [--preset P] \\
+        [--splits N] [--new-kv]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tqattn.quant.codec import TQCodec  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8x16384")
+    ap.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head size")
     ap.add_argument("--preset", default="turboquant_k3v4_nc")
     ap.add_argument("--splits", type=int, default=None, help="split count (default: auto)")
     ap.add_argument("--reps", type=int, default=20)
@@ -34,14 +35,15 @@ def main() -> None:
     args = ap.parse_args()
     print(json.dumps({**environment(), "command": "python3 " + " ".join(sys.argv)}), flush=True)
     b, l = map(int, args.shape.split("x"))
-    q, k, v, bt = make_data(b, l, 32, 8, 128)
-    codec = TQCodec(args.preset, 128, device="cuda")
-    cache = fill_cache(codec, k, v, 8)
+    hq, hk, d = map(int, args.heads.split("/"))
+    q, k, v, bt = make_data(b, l, hq, hk, d)
+    codec = TQCodec(args.preset, d, device="cuda")
+    cache = fill_cache(codec, k, v, hk)
     lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     tune = {"num_splits": args.splits}
     if args.new_kv:
-        kn, vn = torch.randn(2, b, 8, 128, dtype=q.dtype, device="cuda")
+        kn, vn = torch.randn(2, b, hk, d, dtype=q.dtype, device="cuda")
         tune["new_kv"] = (kn, vn, bt[:, -1].long() * 16 + 15)
     for _ in range(3):
         decode_attention_triton(codec, q, cache, bt, lens, out=out, **tune)
@@ -50,7 +52,7 @@ def main() -> None:
         for _ in range(args.reps):
             decode_attention_triton(codec, q, cache, bt, lens, out=out, **tune)
         torch.cuda.synchronize()
-    print(f"B={b} L={l} {args.preset} splits={args.splits or 'auto'}: per call, µs")
+    print(f"B={b} L={l} {args.heads} {args.preset} splits={args.splits or 'auto'}: per call, µs")
     total = 0.0
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
         if e.device_time_total <= 0:

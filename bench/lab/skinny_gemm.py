@@ -129,8 +129,10 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
                     if k % (bk * s) or (s > 1 and tiles * (s - 1) >= 2 * sms):
                         continue
                     for stages in (3, 4):
+                        # 4 warps spill a 128 x 128 accumulator (offline sm_90 builds)
                         out.append({"block_m": bm, "block_n": bn, "block_k": bk, "splits": s,
-                                    "swap": swap, "stages": stages, "warps": 4})
+                                    "swap": swap, "stages": stages,
+                                    "warps": 8 if bm * bn >= 128 * 128 else 4})
     return out
 
 

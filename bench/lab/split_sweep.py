@@ -7,6 +7,8 @@ programs), timed as bench/decode.py times it (CUDA-graph replay, L2 flushed, med
         --shapes 256x1024-1280,128x1024-1280 --splits 1,2,3,4 --out $OUT/split_sweep.json
 
 ``--heads 4/1/256 --shapes 32x16384-16384``: a long-context shape of another head layout.
+``--maxnreg 255,168,128``: each sweep again with the kernel's register cap at each value (more
+resident programs per SM, at the price of spills; the default split count follows the cap).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="256x1024-1280,128x1024-1280,64x1024-1280")
     ap.add_argument("--splits", default="1,2,3,4")
     ap.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head size")
+    ap.add_argument("--maxnreg", default=str(decode_mma.MAXNREG),
+                    help="comma list of register caps of the tensor-core kernel")
     ap.add_argument("--out", default="split_sweep.json")
     args = ap.parse_args()
     env = {**environment(), "command": "python3 " + " ".join(sys.argv), "sms": num_sms("cuda")}
@@ -64,16 +68,20 @@ def main() -> None:
     timer = Timer()
     splits = [int(x) for x in args.splits.split(",")]
     rows = []
-    for preset in args.presets.split(","):
-        for shape in args.shapes.split(","):
-            b, ctx = shape.split("x")
-            lo, hi = (int(x) for x in ctx.split("-"))
-            hq, hk, d = (int(x) for x in args.heads.split("/"))
-            row = case(timer, preset, int(b), lo, hi, splits, hq, hk, d)
-            row["heads"] = args.heads
-            row["resident_per_sm"] = max(decode_mma._RESIDENT.values(), default=None)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for cap in (int(x) for x in args.maxnreg.split(",")):
+        decode_mma.MAXNREG = cap        # read at each launch; the resident count follows it
+        decode_mma._RESIDENT.clear()
+        for preset in args.presets.split(","):
+            for shape in args.shapes.split(","):
+                b, ctx = shape.split("x")
+                lo, hi = (int(x) for x in ctx.split("-"))
+                hq, hk, d = (int(x) for x in args.heads.split("/"))
+                row = case(timer, preset, int(b), lo, hi, splits, hq, hk, d)
+                row["heads"] = args.heads
+                row["maxnreg"] = cap
+                row["resident_per_sm"] = max(decode_mma._RESIDENT.values(), default=None)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
 

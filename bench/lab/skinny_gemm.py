@@ -140,13 +140,18 @@ def _max_rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
+# (M, N, K, config) run under the interpreter by --smoke and by the tests
+SMOKE_CASES = [
+    (3, 40, 128, {"block_m": 16, "block_n": 16, "block_k": 32, "splits": 2, "swap": False}),
+    (5, 48, 192, {"block_m": 16, "block_n": 32, "block_k": 32, "splits": 3, "swap": True}),
+    (20, 24, 64, {"block_m": 16, "block_n": 16, "block_k": 64, "splits": 1, "swap": False}),
+    (1, 32, 64, {"block_m": 16, "block_n": 16, "block_k": 16, "splits": 4, "swap": True}),
+]
+
+
 def smoke() -> None:
     g = torch.Generator().manual_seed(0)
-    for m, n, k, cfg in [
-            (3, 40, 128, {"block_m": 16, "block_n": 16, "block_k": 32, "splits": 2, "swap": False}),
-            (5, 48, 192, {"block_m": 16, "block_n": 32, "block_k": 32, "splits": 3, "swap": True}),
-            (20, 24, 64, {"block_m": 16, "block_n": 16, "block_k": 64, "splits": 1, "swap": False}),
-            (1, 32, 64, {"block_m": 16, "block_n": 16, "block_k": 16, "splits": 4, "swap": True})]:
+    for m, n, k, cfg in SMOKE_CASES:
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         ref = F.linear(x.float(), w.float())

@@ -8,12 +8,7 @@ import torch.nn.functional as F
 from bench.lab import skinny_gemm as sg
 
 
-@pytest.mark.parametrize("m,n,k,cfg", [
-    (3, 40, 128, {"block_m": 16, "block_n": 16, "block_k": 32, "splits": 2, "swap": False}),
-    (5, 48, 192, {"block_m": 16, "block_n": 32, "block_k": 32, "splits": 3, "swap": True}),
-    (20, 24, 64, {"block_m": 16, "block_n": 16, "block_k": 64, "splits": 1, "swap": False}),
-    (1, 32, 64, {"block_m": 16, "block_n": 16, "block_k": 16, "splits": 4, "swap": True}),
-])
+@pytest.mark.parametrize("m,n,k,cfg", sg.SMOKE_CASES)
 def test_splitk_matches_linear(m, n, k, cfg):
     g = torch.Generator().manual_seed(m * 1000 + n)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)

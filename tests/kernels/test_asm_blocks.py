@@ -86,16 +86,21 @@ def test_u4_values_nibbles():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_lut4_rows_decodes_symmetric_codebook(seed):
+@pytest.mark.parametrize("preset,sm", [("turboquant_4bit_nc", False), ("tq_k4v3", True)])
+def test_lut4_rows_decodes_symmetric_codebook(seed, preset, sm):
     """A token-row word of 4-bit codes (byte b: coordinates 2b, 2b+1) → the fp16 centroid pair
-    of byte b in output b, through the magnitude table and the sign of each code."""
-    centroids = TQCodec("tq_k4v3", 128).keys.centroids[0]
-    table = _asm.symmetric_table_words(centroids.tolist())
+    of byte b in output b, through the magnitude table and the sign of each code: codes in
+    bucket order (vLLM's preset) or in sign-and-magnitude order (ours)."""
+    codes = TQCodec(preset, 128).keys
+    assert codes.sm == [sm]
+    centroids = codes.centroids[0]  # in the order the codes are stored
+    table = _asm.symmetric_table_words(centroids.tolist(), sm=sm)
+    block = _asm.LUT4_ROWS_SM if sm else _asm.LUT4_ROWS
     want = centroids.to(torch.float16)
     rnd = random.Random(seed)
     words = [rnd.getrandbits(32) for _ in range(30)] + [0x76543210, 0xFEDCBA98]  # every code
     for x in words:
-        out = run(_asm.LUT4_ROWS.value, {4: x, 5: table[0], 6: table[1], 7: table[2], 8: table[3]})
+        out = run(block.value, {4: x, 5: table[0], 6: table[1], 7: table[2], 8: table[3]})
         assert sorted(out) == [0, 1, 2, 3]
         for b in range(4):
             lo, hi = (x >> (8 * b)) & 0xF, (x >> (8 * b + 4)) & 0xF
@@ -106,8 +111,10 @@ def test_lut4_rows_decodes_symmetric_codebook(seed):
 def test_lut4_pairs_decodes_two_token_rows(preset):
     """Words A, B of rotated 4-bit value codes (8 nibbles each) → the fp16 (A, B) centroid pair
     of each nibble position, in :data:`U4_PAIRS`' output order."""
-    centroids = TQCodec(preset, 128).values.centroids[0]
-    table = _asm.symmetric_table_words(centroids.tolist())
+    codes = TQCodec(preset, 128).values
+    assert codes.sm == [True]
+    centroids = codes.centroids[0]
+    table = _asm.symmetric_table_words(centroids.tolist(), sm=True)
     want = centroids.to(torch.float16)
     rnd = random.Random(3)
     words = [(rnd.getrandbits(32), rnd.getrandbits(32)) for _ in range(30)]
@@ -124,13 +131,17 @@ def test_lut4_pairs_decodes_two_token_rows(preset):
                 assert _fp16(r >> 16) == float(want[(b >> shift) & 0xF]), (hex(b), byte, h)
 
 
-def test_symmetric_table_words_rejects_asymmetric_codebooks():
-    c = TQCodec("tq_k4v3", 128).keys.centroids[0].clone()
+@pytest.mark.parametrize("preset,sm", [("turboquant_4bit_nc", False), ("tq_k4v3", True)])
+def test_symmetric_table_words_rejects_asymmetric_codebooks(preset, sm):
+    c = TQCodec(preset, 128).keys.centroids[0].clone()
     with pytest.raises(ValueError, match="16 centroids"):
-        _asm.symmetric_table_words(c[:8].tolist())
+        _asm.symmetric_table_words(c[:8].tolist(), sm=sm)
+    with pytest.raises(ValueError, match="not symmetric"):  # the other order
+        _asm.symmetric_table_words(c.tolist(), sm=not sm)
+    assert len(_asm.symmetric_table_words(c.tolist(), sm=sm)) == 4
     c[3] += 0.01
     with pytest.raises(ValueError, match="not symmetric"):
-        _asm.symmetric_table_words(c.tolist())
+        _asm.symmetric_table_words(c.tolist(), sm=sm)
 
 
 def test_lut3_tokens_matches_the_immediate_table_block():

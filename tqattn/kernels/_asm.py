@@ -149,27 +149,35 @@ LUT3_TOKENS = tl.constexpr("{\n.reg .b32 s, t, l, h;\n"
                            + _lut3_element_pairs(("$19", "$20", "$21", "$22")) + "}")
 
 
-def symmetric_table_words(centroids) -> list[int]:
-    """The 8 non-negative fp16 centroids c[8..15] of a symmetric 4-bit codebook (c[15-i] =
-    -c[i] after rounding to fp16) as the 4 table words of :data:`LUT4_ROWS`."""
+def symmetric_table_words(centroids, sm: bool = False) -> list[int]:
+    """The 8 non-negative fp16 centroids c[8..15] of a symmetric 4-bit codebook as the 4 table
+    words of :data:`LUT4_ROWS`: after rounding to fp16 c[15-i] = -c[i] (bucket order), or with
+    sm c[i] = -c[8+i] (sign-and-magnitude order, :data:`LUT4_ROWS_SM`)."""
     vals = [struct.unpack("<H", struct.pack("<e", float(c)))[0] for c in centroids]
     if len(vals) != 16:
         raise ValueError(f"a 4-bit codebook has 16 centroids, got {len(vals)}")
-    if any(vals[15 - i] != vals[i] ^ 0x8000 for i in range(8)) or any(v >> 15 for v in vals[8:]):
-        raise ValueError("the 4-bit codebook is not symmetric in fp16 (c[15-i] = -c[i], c[8..15] >= 0)")
+    neg = vals[:8] if sm else vals[7::-1]
+    if any(n != v ^ 0x8000 for n, v in zip(neg, vals[8:])) or any(v >> 15 for v in vals[8:]):
+        rule = "c[i] = -c[8+i]" if sm else "c[15-i] = -c[i]"
+        raise ValueError(f"the 4-bit codebook is not symmetric in fp16 ({rule}, c[8..15] >= 0)")
     return lut3_table_words([struct.unpack("<e", struct.pack("<H", v))[0] for v in vals[8:]])
 
 
-def _lut4_body(src: str, outs: tuple[str, str, str, str], tab: tuple[str, str, str, str]) -> str:
+def _lut4_body(src: str, outs: tuple[str, str, str, str], tab: tuple[str, str, str, str],
+               sm: bool = False) -> str:
     # src: 4 bytes (byte b: codes n0, n1 in its low / high nibble) → outs[b]: their fp16 pair,
     # through the magnitude table tab. Code n is +mag[n - 8] for n >= 8, -mag[7 - n] below:
     # c = ~x & 0x88.. flags the negative nibbles and m = x ^ 7·flag their magnitude selectors.
     # Bit 3 of each nibble (set for n >= 8) is the msb of a byte of x (odd nibbles) or of x << 4
     # (even ones): prmt's sign-replicate selectors spread it over the byte of h that nibble's
-    # lookup fills, and the bytes left clear get the sign bit.
-    text = (f"lop3.b32 c, {src}, 0x88888888, 0, 0x0C;\n"
-            "shr.b32 t, c, 3;\nmul.lo.u32 u, t, 7;\n"
-            f"lop3.b32 m, {src}, u, 0x77777777, 0x28;\nshl.b32 a, {src}, 4;\n")
+    # lookup fills, and the bytes left clear get the sign bit. In sign-and-magnitude order (sm)
+    # the low 3 bits already are the magnitude selectors.
+    if sm:
+        text = f"and.b32 m, {src}, 0x77777777;\nshl.b32 a, {src}, 4;\n"
+    else:
+        text = (f"lop3.b32 c, {src}, 0x88888888, 0, 0x0C;\n"
+                "shr.b32 t, c, 3;\nmul.lo.u32 u, t, 7;\n"
+                f"lop3.b32 m, {src}, u, 0x77777777, 0x28;\nshl.b32 a, {src}, 4;\n")
     for half, spread in ((0, "0x9D8C"), (1, "0xBFAE")):  # nibbles 4h..4h+3 → bytes 0..3
         if half:
             text += "shr.b32 m, m, 16;\n"
@@ -181,10 +189,10 @@ def _lut4_body(src: str, outs: tuple[str, str, str, str], tab: tuple[str, str, s
     return text
 
 
-def _lut4_rows_text() -> str:
+def _lut4_rows_text(sm: bool = False) -> str:
     # $4: 4 bytes of one token row (byte b: codes of coordinates 2b, 2b+1); $5..$8: the table
     return ("{\n.reg .b32 c, t, u, m, l, h, a, s;\n"
-            + _lut4_body("$4", ("$0", "$1", "$2", "$3"), ("$5", "$6", "$7", "$8")) + "}")
+            + _lut4_body("$4", ("$0", "$1", "$2", "$3"), ("$5", "$6", "$7", "$8"), sm) + "}")
 
 
 def _lut4_pairs_text() -> str:
@@ -194,8 +202,8 @@ def _lut4_pairs_text() -> str:
     return ("{\n.reg .b32 c, t, u, m, l, h, a, s, x0, x1;\n"
             "shl.b32 t, $9, 4;\nlop3.b32 x0, $8, t, 0x0F0F0F0F, 0xE4;\n"    # (A & m) | (t & ~m)
             "shr.b32 t, $8, 4;\nlop3.b32 x1, t, $9, 0x0F0F0F0F, 0xE4;\n"
-            + _lut4_body("x0", ("$0", "$2", "$4", "$6"), tab)
-            + _lut4_body("x1", ("$1", "$3", "$5", "$7"), tab) + "}")
+            + _lut4_body("x0", ("$0", "$2", "$4", "$6"), tab, sm=True)
+            + _lut4_body("x1", ("$1", "$3", "$5", "$7"), tab, sm=True) + "}")
 
 
 # 4-bit codes of a symmetric codebook (one token row word: 8 codes) → ``$b``: the fp16 pair of
@@ -203,7 +211,13 @@ def _lut4_pairs_text() -> str:
 LUT4_ROWS = tl.constexpr(_lut4_rows_text())
 
 
-# 4-bit codes of a symmetric codebook in two token rows (words A = $8, B = $9: 8 codes each),
-# table in $10..$13 (:func:`symmetric_table_words`) → ``$(2b + h)``: the fp16 (A, B) pair of
-# nibble h of byte b, as :data:`U4_PAIRS` orders them — the P·V operand of rotated 4-bit values.
+# The same for codes in sign-and-magnitude order (tqattn.quant.codec.sign_magnitude: the tq_*
+# presets' 4-bit fields), table words from ``symmetric_table_words(c, sm=True)``.
+LUT4_ROWS_SM = tl.constexpr(_lut4_rows_text(sm=True))
+
+
+# 4-bit codes of a symmetric codebook in sign-and-magnitude order in two token rows (words A =
+# $8, B = $9: 8 codes each), table in $10..$13 (``symmetric_table_words(c, sm=True)``) →
+# ``$(2b + h)``: the fp16 (A, B) pair of nibble h of byte b, as :data:`U4_PAIRS` orders them —
+# the P·V operand of rotated 4-bit values (a tq_* preset's).
 LUT4_PAIRS = tl.constexpr(_lut4_pairs_text())

@@ -49,6 +49,7 @@ class CodeField:
     lut: int      # offset of its fp32 centroid table in the shared table (-1: none)
     bnd: int      # offset of its boundaries (store)
     cm: bool      # column-major plane: byte g of token t at g·block_size + t (else t·G + g)
+    sm: bool = False  # 4-bit codes in sign-and-magnitude order (tqattn.quant.codec.sign_magnitude)
 
     @property
     def dp(self) -> int:
@@ -104,7 +105,7 @@ class KernelSpec:
             tables.append(x.float().cpu().flatten())
             return off
 
-        def code_field(name, start, centroids=None, boundaries=None):
+        def code_field(name, start, centroids=None, boundaries=None, sm=False):
             f = lay.field(name)
             w = field_words(f)
             if f.nbytes * 8 != f.count * f.bits or (f.bits == 3 and w != 3):
@@ -117,13 +118,13 @@ class KernelSpec:
             lut = table(centroids) if centroids is not None else -1
             bnd = table(boundaries) if boundaries is not None else -1
             return CodeField(block_size * f.offset, f.bits, w, g, gp, cpw, start, f.count, lut, bnd,
-                             column_major(f))
+                             column_major(f), sm)
 
         def scalar_codes(prefix, codes):
             names = ([f"{prefix}_hi"] if codes.n_hi else []) + [prefix]
             starts = [0, codes.n_hi] if codes.n_hi else [0]
-            return [code_field(n, s, c, b) for n, s, c, b in
-                    zip(names, starts, codes.centroids, codes.boundaries)]
+            return [code_field(n, s, c, b, sm) for n, s, c, b, sm in
+                    zip(names, starts, codes.centroids, codes.boundaries, codes.sm)]
 
         m: dict = {"bs": block_size, "d": d, "dp": next_pow2(d)}
         if p.key.codec == "fp8":
@@ -230,7 +231,7 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
     elif k.cm and k.lut >= 0 and k.g == d // 8 and k.bits == 3 and m.k_corr == 1:
         keys = 0
     elif (not k.cm and k.lut >= 0 and k.bits == 4 and k.w == 1 and k.g == d // 2
-          and m.k_corr in (0, 1) and _symmetric(spec.table[k.lut:k.lut + 16])):
+          and m.k_corr in (0, 1) and _symmetric(spec.table[k.lut:k.lut + 16], k.sm)):
         keys = 1
     else:
         return None
@@ -242,7 +243,8 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
     elif not m.v_tq and v.cm and v.bits == 3 and v.g == d // 8 and m.v_levels == 7:
         vals = 2
     elif (m.v_tq and not v.cm and v.bits == 4 and v.w == 1 and v.g == d // 2 and v.lut >= 0
-          and m.v_corr in (0, 1) and hadamard and _symmetric(spec.table[v.lut:v.lut + 16])):
+          and m.v_corr in (0, 1) and hadamard and v.sm
+          and _symmetric(spec.table[v.lut:v.lut + 16], v.sm)):
         vals = 3
     else:
         return None
@@ -251,10 +253,13 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
     return MmaFormat(keys, vals, store=keys != 2 and m.pad_n == 0 and d == 128)
 
 
-def _symmetric(centroids: torch.Tensor) -> bool:
-    """c[15 - i] = -c[i] in fp16 and c[8..15] >= 0: the sign-and-magnitude lookup of 4-bit codes."""
+def _symmetric(centroids: torch.Tensor, sm: bool = False) -> bool:
+    """In fp16, c[8..15] >= 0 and the other half their negatives — c[15 - i] = -c[i] in bucket
+    order, c[i] = -c[8 + i] in sign-and-magnitude order (sm): the lookup of 4-bit codes by
+    magnitude and sign (kernels/_asm.py)."""
     h = centroids.half()
-    return bool(torch.equal(h.flip(0), -h) and (h[8:] >= 0).all())
+    neg = h[:8] if sm else h[:8].flip(0)
+    return bool(torch.equal(neg, -h[8:]) and (h[8:] >= 0).all())
 
 
 def interpreted(device) -> bool:

@@ -95,8 +95,9 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from . import _asm
 # the asm texts by name: Triton's cache key hashes the global constexprs a kernel names, not
 # those it reads as a module's attributes, so a changed text would reuse a stale build
-from ._asm import LUT3_ROWS, LUT3_TOKENS, LUT4_PAIRS, LUT4_ROWS, U4_PAIRS
+from ._asm import LUT3_ROWS, LUT3_TOKENS, LUT4_PAIRS, LUT4_ROWS, LUT4_ROWS_SM, U4_PAIRS
 from ._spec import num_sms
+from ..quant.codec import sign_magnitude
 from ..quant.packing import pack_bits
 from ..quant.paged import page_word_bytes
 from ..quant.rotation import is_signed_hadamard
@@ -232,16 +233,19 @@ def _row_tok(ptr, row, kk):
 
 @gluon.jit
 def _lloyd_max(x, sgn_ptr, ftab_ptr, kk, LUT: gl.constexpr, BND: gl.constexpr,
-               BITS: gl.constexpr, FOLD: gl.constexpr):
+               BITS: gl.constexpr, FOLD: gl.constexpr, SM: gl.constexpr):
     """Codes [128] of the row x rotated (R = diag(s)·H/√128, sgn_ptr: s/√128) and scaled to a
     unit vector, and the norm to store: ‖x‖, or with FOLD ("nc") ‖x‖ / ‖ĉ‖ in fp64 as the
-    store kernel folds it. Boundaries / centroids at ftab_ptr + BND / + LUT."""
+    store kernel folds it. Boundaries / centroids at ftab_ptr + BND / + LUT; SM: 4-bit codes in
+    sign-and-magnitude order."""
     nrm = gl.sqrt_rn(gl.sum(x * x, axis=0))
     y = _wht128(x * gl.load(sgn_ptr + kk), kk)
     y = gl.div_rn(y, gl.zeros([128], gl.float32, layout=_TOK) + (nrm + 1e-8))
     code = gl.zeros([128], gl.int32, layout=_TOK)
     for i in gl.static_range((1 << BITS) - 1):
         code += (y > gl.load(ftab_ptr + BND + i)).to(gl.int32)
+    if SM:  # sign-and-magnitude order (tqattn.quant.codec.sign_magnitude)
+        code = code ^ gl.where(code < 8, 7, 0)
     if FOLD:
         c = gl.zeros([128], gl.float32, layout=_TOK)
         for i in gl.static_range(1 << BITS):
@@ -296,7 +300,8 @@ def _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_
                      KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
                      VZ_OFF: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr,
                      V_LUT: gl.constexpr, V_BND: gl.constexpr, K_FOLD: gl.constexpr,
-                     V_FOLD: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr):
+                     V_FOLD: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr,
+                     KSM: gl.constexpr, VSM: gl.constexpr):
     """STORE: encode sequence b's new token of KV head kvh into the page at slot_ptr[b] (negative:
     padding, nothing written) — the math of kernels/store.py, with the rotation as a
     Walsh–Hadamard transform (R = diag(s)·H/√128; ksgn_ptr: s/√128) in fp32 instead of TF32
@@ -315,7 +320,7 @@ def _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_
         fp16p = (page + 2 * off).to(gl.pointer_type(gl.float16))
         x, bad = _row_tok(kn_ptr, b.to(gl.int64) * skn_b + kvh * skn_h, kk)
         v, vbad = _row_tok(vn_ptr, b.to(gl.int64) * svn_b + kvh * svn_h, kk)
-        code, kn = _lloyd_max(x, ksgn_ptr, ftab_ptr, kk, K_LUT, K_BND, 3 + KEYS, K_FOLD)
+        code, kn = _lloyd_max(x, ksgn_ptr, ftab_ptr, kk, K_LUT, K_BND, 3 + KEYS, K_FOLD, KSM)
         if KEYS == 0:
             _store_words3(page, code, kk, lane, off, K_OFF, BS)
         else:
@@ -323,7 +328,7 @@ def _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_
         _store_scalar(fp16p, gl.where(bad, float("nan"), kn), lane, KN_OFF)
         if VALS == 1 or VALS == 3:
             vcode, vnrm = _lloyd_max(v, ksgn_ptr, ftab_ptr, kk, V_LUT, V_BND, 3 + VALS // 3,
-                                     V_FOLD)
+                                     V_FOLD, VSM)
             if VALS == 1:
                 _store_words3(page, vcode, kk, lane, off, V_OFF, BS)
             else:
@@ -394,10 +399,12 @@ def store_new_token_ref(spec, key: torch.Tensor, value: torch.Tensor, kv_cache: 
         bad = ~torch.isfinite(x).all(1)
         return torch.where(bad[:, None], 0.0, x), bad
 
-    def lloyd_max(x, lut, bnd, bits, fold):
+    def lloyd_max(x, lut, bnd, bits, fold, sm):
         nrm = x.square().sum(1).sqrt()
         y = _wht128_ref(x * sgn) / (nrm + 1e-8)[:, None]
         code = (y[:, :, None] > tab[bnd:bnd + (1 << bits) - 1]).sum(2)
+        if sm:
+            code = sign_magnitude(code)
         if fold:
             c = tab[lut:lut + (1 << bits)][code].double()
             nrm = (nrm.double() / c.square().sum(1).sqrt()).float()
@@ -412,7 +419,7 @@ def store_new_token_ref(spec, key: torch.Tensor, value: torch.Tensor, kv_cache: 
     flat = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
     kx, kbad = rows(k)
     vx, vbad = rows(v)
-    code, kn = lloyd_max(kx, kf.lut, kf.bnd, 3 + fmt.keys, m.k_corr == 1)
+    code, kn = lloyd_max(kx, kf.lut, kf.bnd, 3 + fmt.keys, m.k_corr == 1, kf.sm)
     t = slots % bs
     dev = kv_cache.device
     blk, hd = (slots // bs).to(dev)[:, None], heads.to(dev)[:, None]
@@ -436,7 +443,7 @@ def store_new_token_ref(spec, key: torch.Tensor, value: torch.Tensor, kv_cache: 
     (write3 if fmt.keys == 0 else write4)(kf.off, code)
     write16(m.kn_off, torch.where(kbad, float("nan"), kn))
     if fmt.rotated_values:
-        vcode, vn = lloyd_max(vx, vf.lut, vf.bnd, 3 + fmt.vals // 3, m.v_corr == 1)
+        vcode, vn = lloyd_max(vx, vf.lut, vf.bnd, 3 + fmt.vals // 3, m.v_corr == 1, vf.sm)
         (write3 if fmt.vals == 1 else write4)(vf.off, vcode)
         write16(m.vn_off, torch.where(vbad, float("nan"), vn))
     else:
@@ -641,46 +648,53 @@ def _value_rows(vw, tab, LUT: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
-def _lut4(x, tab):
-    return gl.inline_asm_elementwise(LUT4_ROWS, "=r," * 4 + "r," * 4 + "r",
-                                     [x, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 4,
-                                     is_pure=True, pack=1)
+def _lut4(x, tab, SM: gl.constexpr):
+    """SM: codes in sign-and-magnitude order (the tq_* presets')."""
+    if SM:
+        o = gl.inline_asm_elementwise(LUT4_ROWS_SM, "=r," * 4 + "r," * 4 + "r",
+                                      [x, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 4,
+                                      is_pure=True, pack=1)
+    else:
+        o = gl.inline_asm_elementwise(LUT4_ROWS, "=r," * 4 + "r," * 4 + "r",
+                                      [x, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 4,
+                                      is_pure=True, pack=1)
+    return o
 
 
 @gluon.jit
-def _key_row4_8(w, tab):
+def _key_row4_8(w, tab, SM: gl.constexpr):
     """One token's 8 row bytes (int64: 16 4-bit codes) → [32, r0, r1, q0] fp16 pairs of byte
     4q + r."""
     a0, a1 = _lo_hi(w)
-    o0 = _lut4(a0, tab)
-    o1 = _lut4(a1, tab)
+    o0 = _lut4(a0, tab, SM)
+    o1 = _lut4(a1, tab, SM)
     return gl.join(_j4(o0[0], o0[1], o0[2], o0[3]), _j4(o1[0], o1[1], o1[2], o1[3]))
 
 
 @gluon.jit
-def _key_row4(lo, hi, tab):
+def _key_row4(lo, hi, tab, SM: gl.constexpr):
     """One token's 16 row bytes (two int64: 32 4-bit codes) → [32, r0, r1, q0, q1] fp16 pairs
     of byte 4q + r."""
-    return gl.join(_key_row4_8(lo, tab), _key_row4_8(hi, tab))
+    return gl.join(_key_row4_8(lo, tab, SM), _key_row4_8(hi, tab, SM))
 
 
 @gluon.jit
-def _key_rows4(kw, tab, D: gl.constexpr):
+def _key_rows4(kw, tab, D: gl.constexpr, SM: gl.constexpr):
     """K [64 rows, D columns] (128 of a half at D = 256) fp16 of 4-bit row keys
     (:func:`_load_keys4`): row g + 8j is the lane's token j, column e + 2t + 8r + 32q its
     byte 4q + r's nibble e (of its bytes 16t.. at head size 128, 8t.. at 64)."""
     if D != 64:
-        x = _j8((_key_row4(kw[0], kw[1], tab), _key_row4(kw[2], kw[3], tab),
-                 _key_row4(kw[4], kw[5], tab), _key_row4(kw[6], kw[7], tab),
-                 _key_row4(kw[8], kw[9], tab), _key_row4(kw[10], kw[11], tab),
-                 _key_row4(kw[12], kw[13], tab), _key_row4(kw[14], kw[15], tab)))
+        x = _j8((_key_row4(kw[0], kw[1], tab, SM), _key_row4(kw[2], kw[3], tab, SM),
+                 _key_row4(kw[4], kw[5], tab, SM), _key_row4(kw[6], kw[7], tab, SM),
+                 _key_row4(kw[8], kw[9], tab, SM), _key_row4(kw[10], kw[11], tab, SM),
+                 _key_row4(kw[12], kw[13], tab, SM), _key_row4(kw[14], kw[15], tab, SM)))
         # [lane, r0, r1, q0, q1, j0, j1, j2] → halves → [g, t, r0, r1, q0, q1, j0, j1, j2, e]
         x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
         x = gl.permute(x, [8, 7, 6, 0, 5, 4, 3, 2, 1, 9])
     else:
-        x = _j8((_key_row4_8(kw[0], tab), _key_row4_8(kw[1], tab), _key_row4_8(kw[2], tab),
-                 _key_row4_8(kw[3], tab), _key_row4_8(kw[4], tab), _key_row4_8(kw[5], tab),
-                 _key_row4_8(kw[6], tab), _key_row4_8(kw[7], tab)))
+        x = _j8((_key_row4_8(kw[0], tab, SM), _key_row4_8(kw[1], tab, SM), _key_row4_8(kw[2], tab, SM),
+                 _key_row4_8(kw[3], tab, SM), _key_row4_8(kw[4], tab, SM), _key_row4_8(kw[5], tab, SM),
+                 _key_row4_8(kw[6], tab, SM), _key_row4_8(kw[7], tab, SM)))
         # [lane, r0, r1, q0, j0, j1, j2] → halves → [g, t, r0, r1, q0, j0, j1, j2, e]
         x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2])
         x = gl.permute(x, [7, 6, 5, 0, 4, 3, 2, 1, 8])
@@ -696,13 +710,14 @@ def _cat_rows(a, b):
 
 
 @gluon.jit
-def _key_operand(kw, tab, KEYS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
+def _key_operand(kw, tab, KEYS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr,
+                 KSM: gl.constexpr):
     """K [64, D] A operand of rotated keys (D ≤ 128; KEYS 0: :func:`_key_rows`, 1:
     :func:`_key_rows4`)."""
     if KEYS == 0:
         x = _key_rows(kw, tab, MAP, D)
     else:
-        x = _key_rows4(kw, tab, D)
+        x = _key_rows4(kw, tab, D, KSM)
     return gl.convert_layout(x, _OP_A)
 
 
@@ -1092,19 +1107,19 @@ def _lane_sums(x):
 
 @gluon.jit
 def _scores(kw, skn, t, seq_len, qb, tab, tau, MASKED: gl.constexpr, KEYS: gl.constexpr,
-            MAP: gl.constexpr, D: gl.constexpr):
+            MAP: gl.constexpr, D: gl.constexpr, KSM: gl.constexpr):
     """A tile's scores (log2 units) from its key words (rows in the token order MAP);
     MASKED: -inf past the sequence."""
     if D == 256:  # qb: the halves' operands; kw: the halves' words, the first half's first
         N: gl.constexpr = 12 if KEYS == 0 else 16
         s = gl.zeros([TILE, 8], gl.float32, layout=_MMA)
-        s = mma_v2(_key_operand(kw[0:N], tab, KEYS, MAP, 128), qb[0], s)
-        s = mma_v2(_key_operand(kw[N:2 * N], tab, KEYS, MAP, 128), qb[1], s)
+        s = mma_v2(_key_operand(kw[0:N], tab, KEYS, MAP, 128, KSM), qb[0], s)
+        s = mma_v2(_key_operand(kw[N:2 * N], tab, KEYS, MAP, 128, KSM), qb[1], s)
     else:
         if KEYS == 2:
             ka = _key_operand8(kw)
         else:
-            ka = _key_operand(kw, tab, KEYS, MAP, D)
+            ka = _key_operand(kw, tab, KEYS, MAP, D, KSM)
         s = mma_v2(ka, qb, gl.zeros([TILE, 8], gl.float32, layout=_MMA))
     if KEYS != 2:  # fp8 keys have no norm
         s = s * _row_scalars(skn, MAP)
@@ -1157,10 +1172,11 @@ def _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED: 
 
 @gluon.jit
 def _tile(kw, vw, sc, t, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv, tau, MASKED: gl.constexpr,
-          KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
+          KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr,
+          KSM: gl.constexpr):
     """One 64-token tile from its raw words (:func:`_load_tile`). MASKED: the sequence's last,
     partial tile."""
-    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED, KEYS, MAP, D)
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, MASKED, KEYS, MAP, D, KSM)
     return _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, tabv, MASKED, VALS,
                    MAP, D)
 
@@ -1224,10 +1240,10 @@ def _bcast(x):
 def _step(kw, vw, sc, t, tn, pages, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv, tau, page0, lane,
           sc_b, BS: gl.constexpr, K_OFF: gl.constexpr, KN_OFF: gl.constexpr, V_OFF: gl.constexpr,
           VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr,
-          MAP: gl.constexpr, D: gl.constexpr):
+          MAP: gl.constexpr, D: gl.constexpr, KSM: gl.constexpr):
     """Full tile t from its words, and the words of tile tn (pages: its page indices) loaded
     during t, each role's as soon as t's words of that role are consumed."""
-    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False, KEYS, MAP, D)
+    s = _scores(kw, sc[0], t, seq_len, qb, tab, tau, False, KEYS, MAP, D, KSM)
     kw, skn = _load_k(tn, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, D)
     gl.thread_barrier()
     m_i, l_p, z_p, acc = _attend(s, vw, sc[1], sc[2], t, seq_len, m_i, l_p, z_p, acc, tau, tabv,
@@ -1297,7 +1313,8 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s
 def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab, tabv, tau,
              page0, lane, sc_b, sc_h, BS: gl.constexpr, K_OFF: gl.constexpr,
              KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
-             VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr):
+             VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr,
+             KSM: gl.constexpr):
     """A split's tiles at head size 256: both halves' words do not fit the registers beside
     the halves' accumulators a tile ahead (the next tile's key words alone spill), so each tile
     loads its own key and value words, both in flight at once; the blocks L2_AHEAD tiles ahead
@@ -1316,7 +1333,7 @@ def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab
         kw, skn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, 256)
         vw, svs, svz = _load_v(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS, 256)
         gl.thread_barrier()
-        s = _scores(kw, skn, t, seq_len, qb, tab, tau, True, KEYS, MAP, 256)
+        s = _scores(kw, skn, t, seq_len, qb, tab, tau, True, KEYS, MAP, 256, KSM)
         pages = _pages(t + 1, seq_len, bt_row, lane, BS, MAP)
         m_i, l_p, z_p, acc = _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv,
                                      True, VALS, MAP, 256)
@@ -1345,7 +1362,8 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                        STORE: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr,
                        V_LUT: gl.constexpr, V_BND: gl.constexpr, K_FOLD: gl.constexpr,
                        V_FOLD: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr,
-                       MAP: gl.constexpr, D: gl.constexpr):
+                       MAP: gl.constexpr, D: gl.constexpr, KSM: gl.constexpr,
+                       VSM: gl.constexpr):
     pid = gl.program_id(0)
     split = gl.program_id(1)
     groups = gl.num_programs(0)
@@ -1403,7 +1421,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
         m_i, l_p, z_p, acc = _loop256(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, t0, t1, seq_len,
                                       bt_row, tab, tabv, tau, page0, lane, sc_b, sc_h, BS, K_OFF,
-                                      KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS, MAP)
+                                      KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS, MAP, KSM)
     else:
         # the first tile's words are loaded first, the query rotated while they are in flight; the
         # page indices run a tile ahead of the words, so a block-table miss never waits in line
@@ -1421,7 +1439,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                 _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr,
                                  ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
                                  VS_OFF, VZ_OFF, K_LUT, K_BND, V_LUT, V_BND, K_FOLD, V_FOLD, KEYS,
-                                 VALS)
+                                 VALS, KSM, VSM)
                 if t0 == n_tiles - 1:
                     kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, MAP), page0, lane,
                                             sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
@@ -1444,12 +1462,12 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
             m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len, m_i, l_p,
                                                    z_p, acc, qb, tab, tabv, tau, page0, lane, sc_b,
                                                    BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
-                                                   VALS, MAP, D)
+                                                   VALS, MAP, D, KSM)
             pages = _pages(t + 2, seq_len, bt_row, lane, BS, MAP)
             pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
         if t_mid < t1:  # the last split: the sequence's partial last tile
             m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv,
-                                       tau, True, KEYS, VALS, MAP, D)
+                                       tau, True, KEYS, VALS, MAP, D, KSM)
 
     l_i = gl.convert_layout(gl.sum(l_p, axis=0), _HEADS)
     has = l_i > 0.0
@@ -1556,7 +1574,7 @@ def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
                 WRITE_LSE=lse is not None, STORE=new_kv is not None,
                 K_LUT=kf.lut, K_BND=kf.bnd, V_LUT=vf.lut, V_BND=vf.bnd, K_FOLD=m.k_corr == 1,
                 V_FOLD=m.v_corr == 1, KEYS=fmt.keys, VALS=fmt.vals, MAP=fmt.token_map,
-                ASSIGN=num_splits > 1,
+                KSM=kf.sm, VSM=vf.sm, ASSIGN=num_splits > 1,
                 n_older=min(groups * num_splits, OLDER_PER_SM * num_sms(q.device)),
                 w_old=SPLIT_WEIGHTS[0], w_young=SPLIT_WEIGHTS[1], D=m.d, num_warps=1,
                 maxnreg=MAXNREG)
@@ -1641,7 +1659,7 @@ def _tables(spec, device) -> tuple:
         if fmt.keys == 0:
             words = _asm.lut3_table_words(spec.table[kf.lut:kf.lut + 8].tolist())
         elif fmt.keys == 1:
-            words = _asm.symmetric_table_words(spec.table[kf.lut:kf.lut + 16].tolist())
+            words = _asm.symmetric_table_words(spec.table[kf.lut:kf.lut + 16].tolist(), kf.sm)
         else:  # fp8 keys: no table, no rotation (the kernel reads neither)
             words = [0, 0, 0, 0]
         if fmt.keys != 2 and not is_signed_hadamard(r):
@@ -1655,7 +1673,7 @@ def _tables(spec, device) -> tuple:
         elif fmt.vals == 2:
             vwords = _asm.lut3_table_words(range(8))
         elif fmt.vals == 3:
-            vwords = _asm.symmetric_table_words(spec.table[vf.lut:vf.lut + 16].tolist())
+            vwords = _asm.symmetric_table_words(spec.table[vf.lut:vf.lut + 16].tolist(), vf.sm)
         if fmt.rotated_values:
             osgn = s[value_row_coord(torch.arange(d), d)]
         _TABLES[key] = (torch.tensor([words] * 32, dtype=torch.int32, device=device),

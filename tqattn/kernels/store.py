@@ -220,11 +220,14 @@ def _tf32_split(x):
 
 
 @triton.jit
-def _bucketize(y, bnd, BITS: tl.constexpr):
-    """Lloyd–Max codes of y against the boundaries bnd (:func:`_table16`)."""
+def _bucketize(y, bnd, BITS: tl.constexpr, SM: tl.constexpr = False):
+    """Lloyd–Max codes of y against the boundaries bnd (:func:`_table16`); SM: in
+    sign-and-magnitude order (tqattn.quant.codec.sign_magnitude)."""
     code = tl.zeros(y.shape, tl.int32)
     for i in tl.static_range((1 << BITS) - 1):
         code += (y > bnd[i]).to(tl.int32)
+    if SM:
+        code = code ^ tl.where(code < 8, 7, 0)
     return code
 
 
@@ -298,7 +301,7 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
     den = nrm + 1e-8
     y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, r0, D, DP, BK, HB, F0.start,
                 F0.count, F0.gp * F0.cpw, TF32X3, NOUT > 0 or CENTER, PRE)
-    code = _bucketize(y, bnd0, F0.bits)
+    code = _bucketize(y, bnd0, F0.bits, F0.sm)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0.off, F0.bits, F0.w, F0.g, F0.gp,
                  F0.cpw, F0.cm)
     if FOLD:
@@ -313,7 +316,7 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
             corr1 += tl.where(bad[:, None], 0.0, mur1)
         y1 = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr1, r1, D, DP, BK, HB, F1.start,
                      F1.count, F1.gp * F1.cpw, TF32X3, NOUT > 0 or CENTER, PRE)
-        code1 = _bucketize(y1, bnd1, F1.bits)
+        code1 = _bucketize(y1, bnd1, F1.bits, F1.sm)
         _store_codes(code1, cache_ptr, base, off, h_ok, HB, BS, F1.off, F1.bits, F1.w, F1.g,
                      F1.gp, F1.cpw, F1.cm)
         if FOLD:
@@ -354,7 +357,7 @@ def _encode_key_part(x_ptr, rows, r, ld_ok, h_ok, cache_ptr, base, off, rot_ptr,
     den = nrm + 1e-8
     y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, rp, D, DP, DP, HB, 0, PC, PC,
                 TF32X3, CENTER, True)
-    code = _bucketize(y, bnd, F.bits)
+    code = _bucketize(y, bnd, F.bits, F.sm)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F.off, F.bits, F.w, F.g, NG, F.cpw, F.cm,
                  part * NG, NG)
     if FOLD:

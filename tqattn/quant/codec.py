@@ -92,16 +92,31 @@ def _read_fp16(slots: torch.Tensor, off: int) -> torch.Tensor:
     return slots[..., off:off + 2].clone(memory_format=torch.contiguous_format).view(torch.float16)[..., 0].float()
 
 
+def sign_magnitude(idx: torch.Tensor) -> torch.Tensor:
+    """4-bit Lloyd–Max codes in bucket order (0 = most negative) ↔ sign-and-magnitude order
+    (bit 3 set for the positive half, bits 0-2 the magnitude's rank): the negative half's low
+    bits reversed. Its own inverse."""
+    return idx ^ torch.where(idx < 8, 7, 0).to(idx.dtype)
+
+
 class _ScalarCodes:
-    """Lloyd–Max codes of a rotated unit vector, possibly at two widths (fractional bits)."""
+    """Lloyd–Max codes of a rotated unit vector, possibly at two widths (fractional bits).
+
+    ``sm_order``: 4-bit fields store their codes in :func:`sign_magnitude` order (and
+    ``centroids`` lists each code's centroid in that order), so that a decoder takes a code's
+    magnitude index with one AND (kernels/_asm.py); other widths keep bucket order."""
 
     def __init__(self, layout: SlotLayout, prefix: str, bits: float, dim: int, kind: str,
-                 correction: str, device):
+                 correction: str, device, sm_order: bool = False):
         low, n_hi, _ = split_bits(bits, dim)
         self.n_hi = n_hi
         self.fields = ([layout.field(f"{prefix}_hi")] if n_hi else []) + [layout.field(prefix)]
         books = ([get_codebook(dim, low + 1, kind)] if n_hi else []) + [get_codebook(dim, low, kind)]
-        self.centroids = [torch.tensor(b.centroids, dtype=torch.float32, device=device) for b in books]
+        self.sm = [sm_order and b.bits == 4 for b in books]
+        sm_perm = sign_magnitude(torch.arange(16, device=device))
+        self.centroids = [torch.tensor(b.centroids, dtype=torch.float32, device=device)
+                          for b in books]
+        self.centroids = [c[sm_perm] if sm else c for c, sm in zip(self.centroids, self.sm)]
         self.boundaries = [torch.tensor(b.boundaries, dtype=torch.float32, device=device) for b in books]
         self.correction = correction
         # Debias uses the D_b of the widths in use, weighted by coordinate count.
@@ -114,8 +129,11 @@ class _ScalarCodes:
     def encode(self, y: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Write the codes of rotated unit vectors y into slots; return the raw centroid vector."""
         recon = []
-        for part, f, bnd, cen in zip(self._parts(y), self.fields, self.boundaries, self.centroids):
+        for part, f, bnd, cen, sm in zip(self._parts(y), self.fields, self.boundaries,
+                                         self.centroids, self.sm):
             idx = torch.bucketize(part.contiguous(), bnd)
+            if sm:
+                idx = sign_magnitude(idx)
             slots[..., f.offset:f.offset + f.nbytes] = pack_bits(idx, f.bits)
             recon.append(cen[idx])
         return torch.cat(recon, -1)
@@ -144,11 +162,11 @@ class TQCodec:
         self.keys = None
         if p.key.codec == "mse":
             self.keys = _ScalarCodes(self.layout, "k_idx", p.key.mse_bits, d, p.codebook,
-                                     p.key.correction, self.device)
+                                     p.key.correction, self.device, not p.vllm)
         self.values = None
         if p.value.codec == "tq":
             self.values = _ScalarCodes(self.layout, "v_idx", p.value.bits, d, p.codebook,
-                                       p.value.correction, self.device)
+                                       p.value.correction, self.device, not p.vllm)
         self._folded = None
         self.qjl_matrix = None
         if p.key.qjl:

@@ -650,15 +650,9 @@ def _value_rows(vw, tab, LUT: gl.constexpr, D: gl.constexpr):
 @gluon.jit
 def _lut4(x, tab, SM: gl.constexpr):
     """SM: codes in sign-and-magnitude order (the tq_* presets')."""
-    if SM:
-        o = gl.inline_asm_elementwise(LUT4_ROWS_SM, "=r," * 4 + "r," * 4 + "r",
-                                      [x, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 4,
-                                      is_pure=True, pack=1)
-    else:
-        o = gl.inline_asm_elementwise(LUT4_ROWS, "=r," * 4 + "r," * 4 + "r",
-                                      [x, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 4,
-                                      is_pure=True, pack=1)
-    return o
+    return gl.inline_asm_elementwise(LUT4_ROWS_SM if SM else LUT4_ROWS, "=r," * 4 + "r," * 4 + "r",
+                                     [x, tab[0], tab[1], tab[2], tab[3]], (gl.int32,) * 4,
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -692,8 +686,9 @@ def _key_rows4(kw, tab, D: gl.constexpr, SM: gl.constexpr):
         x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2, 2])
         x = gl.permute(x, [8, 7, 6, 0, 5, 4, 3, 2, 1, 9])
     else:
-        x = _j8((_key_row4_8(kw[0], tab, SM), _key_row4_8(kw[1], tab, SM), _key_row4_8(kw[2], tab, SM),
-                 _key_row4_8(kw[3], tab, SM), _key_row4_8(kw[4], tab, SM), _key_row4_8(kw[5], tab, SM),
+        x = _j8((_key_row4_8(kw[0], tab, SM), _key_row4_8(kw[1], tab, SM),
+                 _key_row4_8(kw[2], tab, SM), _key_row4_8(kw[3], tab, SM),
+                 _key_row4_8(kw[4], tab, SM), _key_row4_8(kw[5], tab, SM),
                  _key_row4_8(kw[6], tab, SM), _key_row4_8(kw[7], tab, SM)))
         # [lane, r0, r1, q0, j0, j1, j2] → halves → [g, t, r0, r1, q0, j0, j1, j2, e]
         x = gl.reshape(_halves(x), [8, 4, 2, 2, 2, 2, 2, 2, 2])

@@ -113,10 +113,10 @@ class _ScalarCodes:
         self.fields = ([layout.field(f"{prefix}_hi")] if n_hi else []) + [layout.field(prefix)]
         books = ([get_codebook(dim, low + 1, kind)] if n_hi else []) + [get_codebook(dim, low, kind)]
         self.sm = [sm_order and b.bits == 4 for b in books]
-        sm_perm = sign_magnitude(torch.arange(16, device=device))
-        self.centroids = [torch.tensor(b.centroids, dtype=torch.float32, device=device)
-                          for b in books]
-        self.centroids = [c[sm_perm] if sm else c for c, sm in zip(self.centroids, self.sm)]
+        self.centroids = []
+        for b, sm in zip(books, self.sm):
+            c = torch.tensor(b.centroids, dtype=torch.float32, device=device)
+            self.centroids.append(c[sign_magnitude(torch.arange(16, device=device))] if sm else c)
         self.boundaries = [torch.tensor(b.boundaries, dtype=torch.float32, device=device) for b in books]
         self.correction = correction
         # Debias uses the D_b of the widths in use, weighted by coordinate count.

@@ -93,6 +93,12 @@ def random_qkv(num_tokens, s: AttentionLayerSpec, gen=None, scale=1.0, device="c
     return tuple(x.to(device=device, dtype=s.dtype) for x in (q, k, v))
 
 
+def head_major(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same (T, H, D) values laid out head by head (strides (D, T·D, 1)), as the compiled
+    model hands q/k/v to the attention op after RoPE."""
+    return tuple(x.transpose(0, 1).contiguous().transpose(0, 1) for x in xs)
+
+
 def attention(q, k, v, q_pos, k_pos, scale, window=None, softcap=0.0):
     """Plain fp32 attention: q (Lq, Hq, D) at positions q_pos, keys at k_pos; causal, window W
     keeps keys > p − W."""

@@ -137,3 +137,21 @@ def test_flash_attn_pure_decode_graph_replay(window, softcap):
         assert torch.equal(cache, eager_cache)
         torch.testing.assert_close(out[:n].float(), eager.float(), atol=2e-2, rtol=2e-2)
         assert torch.isfinite(out).all() and out[n:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("kv,d", [("auto", 128), ("turboquant_k3v4_nc", 128), ("tq_k4v3", 128),
+                                  ("tq_k4v3", 256), ("turboquant_k3v4_nc", 64)])
+@pytest.mark.parametrize("reqs", [tq_tests.DECODES, BIG_MIXED], ids=["decode", "mixed"])
+def test_head_major_inputs_cuda(kv, d, reqs):
+    """q/k/v laid out head by head (what the compiled model hands the op): the decode kernels,
+    the fused store and the full-precision cache write take the strides; the same output as
+    token rows, against the reference."""
+    s = spec(hq=8, hk=2, d=d, dtype=torch.bfloat16, kv=kv)
+    tests = fa_tests if kv == "auto" else tq_tests
+    extra = {} if kv == "auto" else {"fused": True}
+    rows, ref, *_ = tests.run_step(s, reqs, fa_version="auto", device="cuda", **extra)
+    heads, *_ = tests.run_step(s, reqs, fa_version="auto", device="cuda", heads_first=True,
+                               **extra)
+    assert heads.is_contiguous()
+    torch.testing.assert_close(heads, rows, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(heads.float(), ref, atol=2e-2, rtol=2e-2)

@@ -9,8 +9,8 @@ from tqattn.attention import flash_attn as fa_mod
 from tqattn.attention.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                          FlashAttentionMetadataBuilder, scatter_rows)
 
-from .batch_utils import (BLOCK_SIZE, attention, history_batch, make_batch, num_blocks, random_qkv,
-                          spec)
+from .batch_utils import (BLOCK_SIZE, attention, head_major, history_batch, make_batch,
+                          num_blocks, random_qkv, spec)
 
 DECODES = [(20, 1), (5, 1), (47, 1)]
 PREFILLS = [(0, 37), (0, 5), (0, 1)]
@@ -19,8 +19,9 @@ CONTINUATIONS = [(20, 9), (33, 40), (16, 16)]
 MIXED = [(20, 1), (7, 1), (32, 10), (0, 30), (40, 150)]
 
 
-def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, device="cpu"):
-    """Store each request's history, then run one step; return (out, reference, cache, ...)."""
+def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, device="cpu", heads_first=False):
+    """Store each request's history, then run one step; return (out, reference, cache, ...).
+    ``heads_first``: the step's q/k/v laid out head by head (:func:`head_major`)."""
     gen = torch.Generator().manual_seed(seed)
     batch = make_batch(reqs, pad=pad, gen=gen, device=device)
     impl = FlashAttentionImpl(s, fa_version=fa_version)
@@ -40,6 +41,8 @@ def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, device="cpu"):
             hist_kv[b] = (hk[a:e], hv[a:e])
 
     q, k, v = random_qkv(batch.common.num_actual_tokens + pad, s, gen, device=device)
+    if heads_first:
+        q, k, v = head_major(q, k, v)
     md = builder.build(batch.common)
     impl.store(k, v, kv_cache, md)
     out = impl.forward(q, k, v, kv_cache, md).cpu()
@@ -65,6 +68,18 @@ def test_matches_plain_attention(reqs, window, softcap):
     s = spec(window=window, softcap=softcap)
     out, ref, *_ = run_step(s, reqs)
     torch.testing.assert_close(out.float(), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("reqs", [PREFILLS, CONTINUATIONS, DECODES, MIXED],
+                         ids=["prefill", "continuation", "decode", "mixed"])
+def test_head_major_inputs(reqs):
+    """q/k/v laid out head by head (what the compiled model hands the op): the same bytes in
+    the output (contiguous) and the cache as token rows."""
+    s = spec(window=8)
+    rows, _, cache_rows, *_ = run_step(s, reqs, pad=2)
+    heads, _, cache_heads, *_ = run_step(s, reqs, pad=2, heads_first=True)
+    assert heads.is_contiguous() and torch.equal(heads, rows)
+    assert torch.equal(cache_heads, cache_rows)
 
 
 def test_padding_tokens_are_neither_stored_nor_attended():

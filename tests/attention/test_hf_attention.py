@@ -72,10 +72,18 @@ def test_opcheck(layer_idx):
     g = torch.Generator().manual_seed(layer_idx)
     q, k, v = (torch.randn(13, h, 16, generator=g) for h in (4, 2, 2))
     layer = torch.tensor(layer_idx)
+    # the same values head by head (the compiled model's layout after RoPE) and with a strided
+    # last dimension: the same output, contiguous as the fake says
+    heads = tuple(x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
+    spread = tuple(torch.stack((x, -x), -1)[..., 0] for x in (q, k, v))
     with set_forward_context(ForwardContext(runner.layers, runner.kv_caches, metadata)):
         expected = _direct(q, k, v, layer_idx)
         out = torch.ops.tqattn.attention(q, k, v, layer)
-        torch.library.opcheck(torch.ops.tqattn.attention.default, (q, k, v, layer))
+        # the twin op for single-head layers (Inductor's default stride constraint)
+        for op in (torch.ops.tqattn.attention, torch.ops.tqattn.attention_exact_strides):
+            for args in ((q, k, v), heads, spread):
+                assert torch.equal(op(*args, layer), expected)
+                torch.library.opcheck(op.default, (*args, layer))
     assert torch.equal(out, expected) and out.shape == q.shape and out.dtype == q.dtype
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -114,14 +122,15 @@ def test_use_tqattn_binds_every_planned_layer():
     assert [m.tqattn_spec for m in model.modules() if hasattr(m, "tqattn_spec")] == specs[:3]
 
 
-def test_token_rows_keep_a_fused_slice_without_a_copy():
-    """A value slice of a fused q/k/v product ((1, T, 3·H·D) viewed as (1, H, T, D)) reaches the
-    op with its row stride, no copy; a layout whose tokens are not H·D contiguous is copied."""
+def test_token_rows_are_views():
+    """q/k/v reach the op as views, no copy: a value slice of a fused q/k/v product ((1, T, 3·H·D)
+    viewed as (1, H, T, D)) with its row stride, a head-major (1, H, T, D) buffer (what RoPE
+    leaves) with its head stride."""
     qkv = torch.randn(1, 5, 3 * 2 * 4)
     v = qkv[..., 16:].view(1, 5, 2, 4).transpose(1, 2)
     rows = hf_attention._token_rows(v)
     assert rows.data_ptr() == v.data_ptr() and rows.stride() == (24, 4, 1)
     torch.testing.assert_close(rows, v[0].transpose(0, 1))
-    odd = torch.randn(1, 4, 5, 2).transpose(2, 3)  # (1, H, T, D) with D strided
-    got = hf_attention._token_rows(odd)
-    assert got.is_contiguous() and torch.equal(got, odd[0].transpose(0, 1))
+    heads = torch.randn(1, 2, 5, 4)
+    rows = hf_attention._token_rows(heads)
+    assert rows.data_ptr() == heads.data_ptr() and rows.stride() == (4, 20, 1)

@@ -11,7 +11,8 @@ from tqattn.quant import paged
 from tqattn.quant.paged import gather_slots_ref
 from tqattn.quant.presets import preset_names
 
-from .batch_utils import attention, history_batch, make_batch, num_blocks, random_qkv, spec
+from .batch_utils import (attention, head_major, history_batch, make_batch, num_blocks,
+                          random_qkv, spec)
 
 P = "turboquant_4bit_nc"
 DECODES = [(20, 1), (5, 1), (47, 1), (0, 1)]
@@ -26,7 +27,7 @@ UNORDERED = [(0, 30), (20, 1), (5, 9), (3, 1), (0, 1)]
 
 
 def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, threshold=None, device="cpu",
-             fused=False, key_offset=None):
+             fused=False, key_offset=None, heads_first=False):
     """Store every request's history, run one step; return (out, reference, ...). fused: the
     step through ``store_and_forward`` (decode-only steps store inside the decode).
 
@@ -34,6 +35,7 @@ def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, threshold=None, device=
     raw; a one-token chunk reads its own (stored) token compressed too. ``key_offset`` (Hk, D):
     the layer centers its keys; the reference adds it back to the decoded keys and reads the
     chunk's keys as they came, so it is the un-centered attention over the same codes.
+    ``heads_first``: the step's q/k/v laid out head by head (:func:`head_major`).
     """
     gen = torch.Generator().manual_seed(seed)
     batch = make_batch(reqs, pad=pad, gen=gen, device=device)
@@ -52,6 +54,8 @@ def run_step(s, reqs, *, pad=0, fa_version=None, seed=0, threshold=None, device=
         impl.store(hk, hv, kv_cache, builder.build(hist.common))
 
     q, k, v = random_qkv(batch.common.num_actual_tokens + pad, s, gen, device=device)
+    if heads_first:
+        q, k, v = head_major(q, k, v)
     md = builder.build(batch.common)
     if fused:
         out = impl.store_and_forward(q, k, v, kv_cache, md).cpu()
@@ -128,6 +132,23 @@ def test_store_and_forward(monkeypatch, reqs):
     assert fused == (reqs is DECODES)
     if fused:
         assert seen[-1][0].shape[0] == n and seen[-1][2].tolist() == md.slot_mapping[:n].tolist()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("fused", [False, True], ids=["store_forward", "store_and_forward"])
+@pytest.mark.parametrize("variant", ["plain", "centered", "padded"])
+def test_head_major_inputs(case, fused, variant):
+    """q/k/v laid out head by head (what the compiled model hands the op) give the same bytes as
+    token rows on every path, into a contiguous output."""
+    reqs, threshold = CASES[case]
+    kw = dict(threshold=threshold, fused=fused, pad=2)
+    if variant == "centered":
+        kw["key_offset"] = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
+    padded = variant == "padded"
+    s = spec(kv=P, window=8, d=12 if padded else 16, kv_cache_head_size=16 if padded else None)
+    rows, *_ = run_step(s, reqs, **kw)
+    heads, *_ = run_step(s, reqs, heads_first=True, **kw)
+    assert heads.is_contiguous() and torch.equal(heads, rows)
 
 
 def test_padding_rows_are_zero():
@@ -247,3 +268,6 @@ def test_triton_kernels(monkeypatch, reqs, threshold, window, softcap, modules, 
              kv_cache_head_size=16 if d != 16 else None)
     out, ref, *_ = run_step(s, reqs, threshold=threshold, fused=True)
     check(out, ref, atol=2e-3)
+    # q/k/v head by head (the compiled model's layout): the kernels take the strides
+    heads, *_ = run_step(s, reqs, threshold=threshold, fused=True, heads_first=True)
+    assert torch.equal(heads, out)

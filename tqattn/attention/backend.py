@@ -100,8 +100,20 @@ def choose_fa_version(spec: AttentionLayerSpec) -> int | None:
     return version
 
 
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) with each token's H·D elements contiguous (its token stride may be anything):
+    the layout of paths that index whole token rows; a copy only when x is not laid out so."""
+    if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
+        return x
+    return x.contiguous()
+
+
 class AttentionImpl(ABC):
     """One layer's attention on one backend.
+
+    Queries, keys and values come as (T, H, D) with a contiguous last dimension; their token
+    and head strides may be anything (the compiled model hands over its buffers as they are
+    laid out, often head-major after RoPE). The output is a new contiguous (T, Hq, D).
 
     ``fa_version`` is the FlashAttention version every prefill call of this layer passes to
     :func:`~tqattn.attention.fa_utils.flash_attn_varlen`: ``"auto"`` (default) chooses it here

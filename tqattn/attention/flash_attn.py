@@ -38,7 +38,7 @@ import torch
 from ..kernels import step as kernels_step
 from . import fa_utils
 from .backend import (AUTO, AttentionBackend, AttentionImpl, AttentionLayerSpec,
-                      AttentionMetadataBuilder, CommonAttentionMetadata)
+                      AttentionMetadataBuilder, CommonAttentionMetadata, token_rows)
 from .plan import KVGather, pack_kv, plan_kv_gather, window_start
 from .registry import register_backend
 
@@ -102,7 +102,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if chunk_blocks is None:
         chunk_blocks = DECODE_CHUNK_ELEMENTS // max(1, b * block_size * hk * d)
     chunk_blocks = max(1, min(chunk_blocks, width))
-    qf = q.float().view(b, hk, hq // hk, d) * scale
+    qf = q.float().reshape(b, hk, hq // hk, d) * scale
     # Columns past a request's last block may hold anything; keep the gather in bounds.
     table = block_table.long().clamp(0, num_blocks - 1)
     seq = seq_lens.long()[:, None]
@@ -183,8 +183,10 @@ class FlashAttentionImpl(AttentionImpl):
     def forward(self, query, key, value, kv_cache, metadata: FlashAttentionMetadata):
         md, s = metadata, self.spec
         n = md.num_actual_tokens
-        out = torch.empty_like(query)
+        out = query.new_empty(query.shape)
         out[n:].zero_()
+        if not md.decode_only:  # prefill paths index token rows; decodes take strides
+            query, key, value = token_rows(query), token_rows(key), token_rows(value)
         q = query[:n]
         if md.decode_only:
             if self.uses_paged_kv:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .backend import AttentionLayerSpec
-from .op import attention
+from .op import attention, attention_exact_strides
 
 ATTN_IMPLEMENTATION = "tqattn"
 
@@ -43,14 +43,13 @@ def tqattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             f"sliding_window={spec.sliding_window}, scale={spec.scale}, "
             f"softcap={spec.logits_soft_cap}")
     q, k, v = (_token_rows(x) for x in (query, key, value))
-    return attention(q, k, v, module.tqattn_layer).unsqueeze(0), None
+    op = attention if q.shape[1] > 1 and k.shape[1] > 1 else attention_exact_strides
+    return op(q, k, v, module.tqattn_layer).unsqueeze(0), None
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
-    """(1, H, T, D) -> (T, H, D) with each token's H·D elements contiguous; the token stride
-    may be anything (a slice of a fused projection's product keeps its row stride, no copy)."""
-    x = x[0].transpose(0, 1)
-    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+    """(1, H, T, D) -> (T, H, D), a view (the op takes any token and head strides)."""
+    return x[0].transpose(0, 1)
 
 
 def register() -> str:

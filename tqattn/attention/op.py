@@ -7,6 +7,13 @@ The body finds what a step needs in the forward context: the layer's backend imp
 KV cache and its group's metadata (vLLM's ``unified_attention``). The cache is written inside
 the op (a side effect the graph does not see); that is safe because every layer's output
 depends on the op of the layer before it, so the ops run in model order.
+
+The op takes any strides with a contiguous last dimension (``flexible_layout``): Inductor then
+hands over q and k as its RoPE kernels laid them out, instead of copying them into the layout
+eager mode would have had (one copy kernel per input and layer; the backends take strides).
+``tqattn::attention_exact_strides`` (the same body, Inductor's default constraint) serves
+layers with a single query or KV head: Inductor cannot order the strides of such a buffer,
+whose size-1 dims both hold the unbacked token count.
 """
 
 from __future__ import annotations
@@ -16,19 +23,27 @@ import torch
 from .forward_context import get_forward_context
 
 
-@torch.library.custom_op("tqattn::attention", mutates_args=())
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              layer: torch.Tensor) -> torch.Tensor:
-    """query (T, Hq, D), key/value (T, Hk, D) -> (T, Hq, D) in query's dtype; stores the K/V.
-    ``layer``: the layer index as a 0-dim int64 CPU tensor (a module buffer: a graph input, so
-    every decoder layer shares one compiled graph instead of specializing on its index)."""
+def _attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               layer: torch.Tensor) -> torch.Tensor:
+    """query (T, Hq, D), key/value (T, Hk, D), any strides -> contiguous (T, Hq, D) in query's
+    dtype; stores the K/V. ``layer``: the layer index as a 0-dim int64 CPU tensor (a module
+    buffer: a graph input, so every decoder layer shares one compiled graph instead of
+    specializing on its index)."""
     layer_idx = int(layer)
     ctx = get_forward_context()
     layer = ctx.layers[layer_idx]
+    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
     return layer.impl.store_and_forward(query, key, value, ctx.kv_caches[layer_idx],
                                         ctx.metadata[layer.group])
 
 
-@attention.register_fake
-def _(query, key, value, layer):
+def _fake(query, key, value, layer):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+attention = torch.library.custom_op("tqattn::attention", _attention, mutates_args=(),
+                                    tags=(torch.Tag.flexible_layout,))
+attention.register_fake(_fake)
+attention_exact_strides = torch.library.custom_op("tqattn::attention_exact_strides", _attention,
+                                                  mutates_args=())
+attention_exact_strides.register_fake(_fake)

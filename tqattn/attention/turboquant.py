@@ -68,7 +68,7 @@ import torch.nn.functional as F
 
 from . import fa_utils
 from .backend import (AUTO, AttentionBackend, AttentionImpl, AttentionLayerSpec,
-                      AttentionMetadataBuilder, CommonAttentionMetadata)
+                      AttentionMetadataBuilder, CommonAttentionMetadata, token_rows)
 from .key_centering import KeyOffset
 from .merge import merge_attn_states
 from .plan import KVGather, cumsum0, pack_kv, plan_kv_gather, segment_arange, to_device, window_start
@@ -288,7 +288,7 @@ class TurboQuantImpl(AttentionImpl):
         # a decode-only step: the decode call writes the new K/V (where: kernels/step.py),
         # centered here
         key = self._center(key)
-        out = torch.empty_like(query)
+        out = query.new_empty(query.shape)
         out[n:].zero_()
         o = self._decode(self.codec(query.device), query[:n], kv_cache, md.decode_block_table,
                          md.decode_seq_lens, out=out[:n],
@@ -301,12 +301,14 @@ class TurboQuantImpl(AttentionImpl):
         md = metadata
         n, nd = md.num_actual_tokens, md.num_decodes
         codec = self.codec(query.device)
-        out = torch.empty_like(query)
+        out = query.new_empty(query.shape)
         out[n:].zero_()
+        if md.num_prefills:  # prefill paths index token rows (FlashAttention, gathers)
+            query, key, value = token_rows(query), token_rows(key), token_rows(value)
         q, k, v = query[:n], key[:n], value[:n]
         if md.token_perm is not None:
             q, k, v = q[md.token_perm], k[md.token_perm], v[md.token_perm]
-            res = torch.empty_like(q)
+            res = q.new_empty(q.shape)
         else:
             res = out[:n]
         if nd:

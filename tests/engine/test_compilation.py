@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tqattn.attention import op
 from tqattn.engine import compilation
 from tqattn.engine.llm_engine import EngineArgs, resolve_compile_model, resolve_fuse_projections
 
@@ -185,8 +187,22 @@ def test_cache_dirs(monkeypatch, tmp_path):
     monkeypatch.setenv("TQATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", "/mine")
-    assert compilation.use_cache_dirs() == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-                                            "TRITON_CACHE_DIR": "/mine"}
+    ops = f"ops-{op.fingerprint()}"
+    assert compilation.use_cache_dirs() == {
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor" / ops), "TRITON_CACHE_DIR": "/mine"}
+
+
+def test_ops_fingerprint_sees_tags():
+    """Inductor's cache key does not see an op's tags: the cache folder's fingerprint must."""
+    real = op.attention._opoverload
+
+    def like(tags):  # the attention op's schema with other tags
+        return SimpleNamespace(_opoverload=SimpleNamespace(_schema=real._schema, tags=tags))
+
+    fps = [op.fingerprint(ops) for ops in [(like(real.tags),), (like([]),),
+                                           (op.attention_exact_strides,)]]
+    assert fps[0] == op.fingerprint((op.attention,))
+    assert len(set(fps)) == 3 and all(len(f) == 12 for f in fps)
 
 
 def test_builds_since_tells_disk_cache_loads_from_compiles():

@@ -18,6 +18,8 @@ whose size-1 dims both hold the unbacked token count.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from .forward_context import get_forward_context
@@ -47,3 +49,15 @@ attention.register_fake(_fake)
 attention_exact_strides = torch.library.custom_op("tqattn::attention_exact_strides", _attention,
                                                   mutates_args=())
 attention_exact_strides.register_fake(_fake)
+
+
+def fingerprint(ops=(attention, attention_exact_strides)) -> str:
+    """12 hex digits of a hash of the ops' schemas and tags. Inductor's graph cache key names a
+    custom op and its arguments but not its tags, so a graph cached before a tag changed would
+    be reused with the old layout handling: the engine keeps its Inductor cache in a folder per
+    fingerprint (:func:`tqattn.engine.compilation.use_cache_dirs`)."""
+    h = hashlib.sha256()
+    for op in ops:
+        overload = op._opoverload
+        h.update(f"{overload._schema}|{sorted(str(t) for t in overload.tags)}\n".encode())
+    return h.hexdigest()[:12]

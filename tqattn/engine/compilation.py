@@ -31,8 +31,14 @@ CACHE_DIRS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton
 
 def use_cache_dirs() -> dict[str, str]:
     """Point Inductor's and Triton's on-disk caches under the tqattn cache directory, unless the
-    user set them; returns the directories in use."""
-    for env, sub in CACHE_DIRS.items():
+    user set them; returns the directories in use. Inductor's is one folder per version of the
+    attention ops (:func:`tqattn.attention.op.fingerprint`): its graph cache does not see their
+    tags."""
+    from tqattn.attention.op import fingerprint
+
+    subs = {**CACHE_DIRS, "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_DIRS['TORCHINDUCTOR_CACHE_DIR']}/"
+                                                     f"ops-{fingerprint()}"}
+    for env, sub in subs.items():
         os.environ.setdefault(env, str(cache_root() / sub))
     return {env: os.environ[env] for env in CACHE_DIRS}
 

@@ -32,8 +32,8 @@ pending)
     > $OUT/gpu_tests_head256_nopf.log 2>&1; tail -2 $OUT/gpu_tests_head256_nopf.log
   for h in 4/1/256 8/4/256; do
     t=$(echo $h | tr / _)
-    (cd $P && PYTHONPATH=$P timeout 80 python3 bench/lab/split_sweep.py --presets turboquant_k3v4_nc,tq_k4v3 \
-      --heads $h --shapes 32x16384-16384 --splits 4,8,16,24,33 --out $OUT/split_nopf_$t.json) > $OUT/split_nopf_$t.log 2>&1
+    (cd $P && PYTHONPATH=$P timeout 110 python3 bench/lab/split_sweep.py --presets turboquant_k3v4_nc,tq_k4v3 \
+      --heads $h --shapes 32x16384-16384 --splits 4,8,16,24,33 --maxnreg 255,200 --out $OUT/split_nopf_$t.json) > $OUT/split_nopf_$t.log 2>&1
   done
   for tree in $R $P; do
     tag=$([ $tree = $R ] && echo main || echo nopf)

@@ -122,15 +122,15 @@ def test_use_tqattn_binds_every_planned_layer():
     assert [m.tqattn_spec for m in model.modules() if hasattr(m, "tqattn_spec")] == specs[:3]
 
 
-def test_token_rows_are_views():
+def test_tokens_first_are_views():
     """q/k/v reach the op as views, no copy: a value slice of a fused q/k/v product ((1, T, 3·H·D)
     viewed as (1, H, T, D)) with its row stride, a head-major (1, H, T, D) buffer (what RoPE
     leaves) with its head stride."""
     qkv = torch.randn(1, 5, 3 * 2 * 4)
     v = qkv[..., 16:].view(1, 5, 2, 4).transpose(1, 2)
-    rows = hf_attention._token_rows(v)
+    rows = hf_attention._tokens_first(v)
     assert rows.data_ptr() == v.data_ptr() and rows.stride() == (24, 4, 1)
     torch.testing.assert_close(rows, v[0].transpose(0, 1))
     heads = torch.randn(1, 2, 5, 4)
-    rows = hf_attention._token_rows(heads)
+    rows = hf_attention._tokens_first(heads)
     assert rows.data_ptr() == heads.data_ptr() and rows.stride() == (4, 20, 1)

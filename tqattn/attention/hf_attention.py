@@ -42,12 +42,12 @@ def tqattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             f"{sliding_window}, scaling={scaling}, softcap={softcap}, but the KV-cache plan has "
             f"sliding_window={spec.sliding_window}, scale={spec.scale}, "
             f"softcap={spec.logits_soft_cap}")
-    q, k, v = (_token_rows(x) for x in (query, key, value))
+    q, k, v = (_tokens_first(x) for x in (query, key, value))
     op = attention if q.shape[1] > 1 and k.shape[1] > 1 else attention_exact_strides
     return op(q, k, v, module.tqattn_layer).unsqueeze(0), None
 
 
-def _token_rows(x: torch.Tensor) -> torch.Tensor:
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
     """(1, H, T, D) -> (T, H, D), a view (the op takes any token and head strides)."""
     return x[0].transpose(0, 1)
 

@@ -36,10 +36,11 @@ def use_cache_dirs() -> dict[str, str]:
     tags."""
     from tqattn.attention.op import fingerprint
 
-    subs = {**CACHE_DIRS, "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_DIRS['TORCHINDUCTOR_CACHE_DIR']}/"
-                                                     f"ops-{fingerprint()}"}
-    for env, sub in subs.items():
-        os.environ.setdefault(env, str(cache_root() / sub))
+    for env, sub in CACHE_DIRS.items():
+        path = cache_root() / sub
+        if env == "TORCHINDUCTOR_CACHE_DIR":
+            path = path / f"ops-{fingerprint()}"
+        os.environ.setdefault(env, str(path))
     return {env: os.environ[env] for env in CACHE_DIRS}
 
 

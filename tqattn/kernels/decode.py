@@ -654,9 +654,9 @@ def _decode_mma(spec, q, kv_cache, block_table, seq_lens, scale, group, num_spli
         per_sm = decode_mma.programs_per_sm(spec, q, kv_cache, block_table, seq_lens, group,
                                             new_kv)
         num_splits = max(1, min(64, per_sm * num_sms(q.device) // (batch * hk)))
-        if d == 256 and num_splits >= 8:
-            # head 256: half as many, longer splits measured 5-9 % faster
-            # (bench/results/split_sweep_head256_h100_s25.json)
+        if d == 256 and num_splits > 16:
+            # head 256: past 16 splits, half as many longer ones measured 5-7 % faster
+            # (bench/results/decode256_l2_next_tile_h100_s29.md)
             num_splits //= 2
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)

@@ -1312,8 +1312,8 @@ def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab
              KSM: gl.constexpr):
     """A split's tiles at head size 256: both halves' words do not fit the registers beside
     the halves' accumulators a tile ahead (the next tile's key words alone spill), so each tile
-    loads its own key and value words, both in flight at once; the blocks L2_AHEAD tiles ahead
-    are prefetched into L2 as at the other head sizes. Returns the softmax state and the
+    loads its own key and value words, both in flight at once, after an L2 prefetch of the
+    blocks L2_AHEAD_256 tiles ahead. Returns the softmax state and the
     accumulators [128, 8] of the halves."""
     qb = _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS, 256)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
@@ -1321,7 +1321,7 @@ def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab
     z_p = l_p
     acc = (gl.zeros([128, 8], gl.float32, layout=_MMA), gl.zeros([128, 8], gl.float32, layout=_MMA))
     pages = _pages(t0, seq_len, bt_row, lane, BS, MAP)
-    pf = _l2_page(t0 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
+    pf = _l2_page(t0 + L2_AHEAD_256, t1, seq_len, bt_row, lane, BS)
     for t in range(t0, t1):
         _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, 256)
         # every tile masked: a compare per row, and the last, partial tile needs no own code
@@ -1332,13 +1332,16 @@ def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab
         pages = _pages(t + 1, seq_len, bt_row, lane, BS, MAP)
         m_i, l_p, z_p, acc = _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv,
                                      True, VALS, MAP, 256)
-        pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
+        pf = _l2_page(t + 1 + L2_AHEAD_256, t1, seq_len, bt_row, lane, BS)
     return m_i, l_p, z_p, acc
 
 
 # tiles ahead of the loop whose blocks are prefetched into L2 (more bytes in flight than the
 # registers hold; further ahead the prefetched blocks crowd the L2)
 L2_AHEAD = gl.constexpr(2)
+# head 256 loads each tile's words in its own iteration: the prefetch of that tile's blocks just
+# before its loads measured faster than any tile further ahead, or none
+L2_AHEAD_256 = gl.constexpr(0)
 
 
 # split-count-dependent arguments and the block-table width are not specialised: every split

@@ -82,7 +82,8 @@ takes a fixed range of tiles; the older of the two programs on an SM scheduler r
 faster than the younger, so programs take their (group, split) by arrival, the older ones
 first, and an older program's range is SPLIT_WEIGHTS times a younger one's. The words of the
 next tile are loaded while a tile is computed (≤ 255 registers: 8 programs per SM), and the
-blocks of the tile L2_AHEAD ahead are prefetched into L2. Measurements behind these choices:
+blocks of a tile ahead are prefetched into L2 (how far ahead depends on the head size: L2_AHEAD,
+L2_AHEAD_128, L2_AHEAD_256). Measurements behind these choices:
 bench/results/README.md.
 """
 from __future__ import annotations
@@ -1339,6 +1340,8 @@ def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab
 # tiles ahead of the loop whose blocks are prefetched into L2 (more bytes in flight than the
 # registers hold; further ahead the prefetched blocks crowd the L2)
 L2_AHEAD = gl.constexpr(2)
+# head 128 (twice head 64's bytes a tile): the tile whose words the loop loads next, measured fastest
+L2_AHEAD_128 = gl.constexpr(1)
 # head 256 loads each tile's words in its own iteration: the prefetch of that tile's blocks just
 # before its loads measured faster than any tile further ahead, or none
 L2_AHEAD_256 = gl.constexpr(0)
@@ -1454,7 +1457,11 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         # barriers (one warp: no waiting) pin the loads there: ptxas otherwise sinks them to the
         # end of the loop body, closer to their use than the HBM latency. The words of the last
         # split's last tile are loaded once its other tiles are done.
-        pf = _l2_page(t0 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
+        if D == 128:
+            ahead: gl.constexpr = L2_AHEAD_128
+        else:
+            ahead: gl.constexpr = L2_AHEAD
+        pf = _l2_page(t0 + ahead, t1, seq_len, bt_row, lane, BS)
         for t in range(t0, t_mid):
             _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, D)
             m_i, l_p, z_p, acc, kw, vw, sc = _step(kw, vw, sc, t, t + 1, pages, seq_len, m_i, l_p,
@@ -1462,7 +1469,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                                                    BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
                                                    VALS, MAP, D, KSM)
             pages = _pages(t + 2, seq_len, bt_row, lane, BS, MAP)
-            pf = _l2_page(t + 1 + L2_AHEAD, t1, seq_len, bt_row, lane, BS)
+            pf = _l2_page(t + 1 + ahead, t1, seq_len, bt_row, lane, BS)
         if t_mid < t1:  # the last split: the sequence's partial last tile
             m_i, l_p, z_p, acc = _tile(kw, vw, sc, t_mid, seq_len, m_i, l_p, z_p, acc, qb, tab, tabv,
                                        tau, True, KEYS, VALS, MAP, D, KSM)

@@ -7,10 +7,12 @@
 # FA3 (tokenspeed-fa3) travels unpacked and xz-compressed as .carry/fa3.tar.xz (27 MiB; made here
 # with `pip download --no-deps tokenspeed-fa3==3.0.0.post20260810`, unzip, `tar cJf`): name it in
 # the call's carry. Steps:
+#   tests    the head-128 tensor-core GPU tests that session 29's device time did not reach (the
+#            prefetch distance L2_AHEAD_128 landed after 5 of 8 presets' test_decode_mma_path_gpu)
 #   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24)
 #   h200     issue 27's ratio table (heads 64, 256, padded 80/96) and issue 29's centering cost
 set -u
-STEP=${1:?step: engine or h200}
+STEP=${1:?step: tests, engine or h200}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -22,6 +24,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader |
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> $OUT/device.txt
 
 case $STEP in
+tests)
+  timeout $(left) python3 -m pytest -m gpu tests/kernels/test_kernels_gpu.py -p no:warnings -rA \
+    -k "mma_path or mma_splits or fused_store or long_split or new_kv or cuda_graph" > $OUT/gpu_tests.log 2>&1
+  echo "rc=$?" >> $OUT/gpu_tests.log; tail -3 $OUT/gpu_tests.log ;;
 engine)
   for w in chat cache-bound decode-heavy; do
     [ $(left) -lt 170 ] && break

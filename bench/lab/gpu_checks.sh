@@ -9,10 +9,12 @@
 # the call's carry. Steps:
 #   tests    the head-128 tensor-core GPU tests that session 29's device time did not reach (the
 #            prefetch distance L2_AHEAD_128 landed after 5 of 8 presets' test_decode_mma_path_gpu)
+#   l2a64    the L2 prefetch distance at head 64: 2 (the default) against 3 (session 29 measured 1
+#            slower, bench/results/l2_prefetch_head64_128_h100_s29.json; 3 not yet tried)
 #   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24)
 #   h200     issue 27's ratio table (heads 64, 256, padded 80/96) and issue 29's centering cost
 set -u
-STEP=${1:?step: tests, engine or h200}
+STEP=${1:?step: tests, l2a64, engine or h200}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -28,6 +30,15 @@ tests)
   timeout $(left) python3 -m pytest -m gpu tests/kernels/test_kernels_gpu.py -p no:warnings -rA \
     -k "mma_path or mma_splits or fused_store or long_split or new_kv or cuda_graph" > $OUT/gpu_tests.log 2>&1
   echo "rc=$?" >> $OUT/gpu_tests.log; tail -3 $OUT/gpu_tests.log ;;
+l2a64)
+  for a in 2 3 2 3; do
+    for h in 9/3/64 14/2/64; do
+      [ $(left) -lt 40 ] && break
+      timeout 60 python3 bench/lab/split_sweep.py --l2-ahead $a --presets turboquant_k3v4_nc,tq_k4v3 --heads $h \
+        --shapes 32x16384-16384,256x1024-1280 --splits 1 --out $OUT/l2a_${a}_$(echo $h | tr / _)_$(date +%s).json \
+        > /dev/null 2>&1
+    done
+  done ;;
 engine)
   for w in chat cache-bound decode-heavy; do
     [ $(left) -lt 170 ] && break

@@ -81,6 +81,19 @@ def test_sampler():
     assert torch.allclose(freq, p, atol=0.03)
 
 
+def test_sampler_half_precision_logits_match_fp32():
+    # bf16 logits with ties: greedy rows (argmax in bf16) and seeded rows (sampled in fp32)
+    # give the tokens that the same logits cast to fp32 give
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 8, (6, 300), generator=gen).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=5, top_k=20)] * 3
+    gens = lambda: [None if p.greedy else make_generator(5, torch.device("cpu")) for p in params]  # noqa: E731
+    got = Sampler(seed=0)(logits, params, gens())
+    want = Sampler(seed=0)(logits.float(), params, gens())
+    assert got == want
+    assert got[0] == int(logits[0].float().argmax())  # the first of tied maxima, as in fp32
+
+
 def test_graph_capture_follows_the_backends_cudagraph_decode(monkeypatch, caplog):
     from tqattn.attention.flash_attn import FlashAttentionBackend
     from tqattn.attention.turboquant import TurboQuantBackend

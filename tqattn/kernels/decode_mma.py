@@ -82,7 +82,7 @@ takes a fixed range of tiles; the older of the two programs on an SM scheduler r
 faster than the younger, so programs take their (group, split) by arrival, the older ones
 first, and an older program's range is SPLIT_WEIGHTS times a younger one's. The words of the
 next tile are loaded while a tile is computed (≤ 255 registers: 8 programs per SM), and the
-blocks of a tile ahead are prefetched into L2 (how far ahead depends on the head size: L2_AHEAD,
+blocks of a coming tile are prefetched into L2 (which one depends on the head size: L2_AHEAD,
 L2_AHEAD_128, L2_AHEAD_256). Measurements behind these choices:
 bench/results/README.md.
 """

@@ -7,14 +7,15 @@
 # FA3 (tokenspeed-fa3) travels unpacked and xz-compressed as .carry/fa3.tar.xz (27 MiB; made here
 # with `pip download --no-deps tokenspeed-fa3==3.0.0.post20260810`, unzip, `tar cJf`): name it in
 # the call's carry. Steps:
-#   tests    the head-128 tensor-core GPU tests that session 29's device time did not reach (the
-#            prefetch distance L2_AHEAD_128 landed after 5 of 8 presets' test_decode_mma_path_gpu)
+#   tests G  pytest -m gpu in parts of about one call: G = kernels (tests/kernels without the 7
+#            head-256 cases, ~6 min of compiles; session 29's prefetch distance L2_AHEAD_128 landed
+#            after 5 of 8 presets' test_decode_mma_path_gpu) or others (tests/attention, tests/engine)
 #   l2a64    the L2 prefetch distance at head 64: 2 (the default) against 3 (session 29 measured 1
 #            slower, bench/results/l2_prefetch_head64_128_h100_s29.json; 3 not yet tried)
 #   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24)
 #   h200     issue 27's ratio table (heads 64, 256, padded 80/96) and issue 29's centering cost
 set -u
-STEP=${1:?step: tests, l2a64, engine or h200}
+STEP=${1:?step: tests kernels|others, l2a64, engine or h200}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -27,9 +28,13 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" 
 
 case $STEP in
 tests)
-  timeout $(left) python3 -m pytest -m gpu tests/kernels/test_kernels_gpu.py -p no:warnings -rA \
-    -k "mma_path or mma_splits or fused_store or long_split or new_kv or cuda_graph" > $OUT/gpu_tests.log 2>&1
-  echo "rc=$?" >> $OUT/gpu_tests.log; tail -3 $OUT/gpu_tests.log ;;
+  case ${2:-} in
+    kernels) set -- tests/kernels -k "not head256" ;;
+    others) set -- tests/attention tests/engine ;;
+    *) echo "tests: kernels or others"; exit 2 ;;
+  esac
+  timeout $(left) python3 -m pytest -m gpu -p no:warnings -rA "$@" > $OUT/gpu_tests.log 2>&1
+  echo "rc=$?" >> $OUT/gpu_tests.log; grep -cE "^PASSED" $OUT/gpu_tests.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests.log ;;
 l2a64)
   for a in 2 3 2 3; do
     for h in 9/3/64 14/2/64; do

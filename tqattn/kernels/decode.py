@@ -638,18 +638,6 @@ def _block_n(spec) -> int:
     return 128 if cost <= 300 else 64 if cost <= 420 else 32
 
 
-def mma_num_splits(resident: int, groups: int, head_size: int) -> int:
-    """The tensor-core kernel's split count for ``groups`` (sequence, KV head) pairs when the GPU
-    holds ``resident`` of its one-warp programs at once: exactly one wave (a partial second wave
-    idles most SMs), 1..MAX_SPLITS."""
-    num_splits = max(1, min(MAX_SPLITS, resident // groups))
-    if head_size == 256 and num_splits > 16:
-        # past 16 splits, half as many longer ones measured 3-7 % faster
-        # (bench/results/decode256_l2_next_tile_h100_s29.md)
-        num_splits //= 2
-    return num_splits
-
-
 def _decode_mma(spec, q, kv_cache, block_table, seq_lens, scale, group, num_splits, out,
                 return_lse, new_kv):
     """The tensor-core path (kernels/decode_mma.py): one launch that rotates the query, stores
@@ -664,7 +652,7 @@ def _decode_mma(spec, q, kv_cache, block_table, seq_lens, scale, group, num_spli
     if num_splits is None:
         per_sm = decode_mma.programs_per_sm(spec, q, kv_cache, block_table, seq_lens, group,
                                             new_kv)
-        num_splits = mma_num_splits(per_sm * num_sms(q.device), batch * hk, d)
+        num_splits = decode_mma.num_splits(per_sm * num_sms(q.device), batch * hk, d)
     part = torch.empty(rows, hq, num_splits, d, dtype=torch.float32, device=q.device)
     plse = torch.empty(rows, hq, num_splits, dtype=torch.float32, device=q.device)
     if out is None:

@@ -82,7 +82,7 @@ takes a fixed range of tiles; the older of the two programs on an SM scheduler r
 faster than the younger, so programs take their (group, split) by arrival, the older ones
 first, and an older program's range is SPLIT_WEIGHTS times a younger one's. The words of the
 next tile are loaded while a tile is computed (≤ 255 registers: 8 programs per SM), and the
-blocks of a coming tile are prefetched into L2 (which one depends on the head size: L2_AHEAD,
+blocks of a coming tile are prefetched into L2 (which one depends on the head size: L2_AHEAD_64,
 L2_AHEAD_128, L2_AHEAD_256). Measurements behind these choices:
 bench/results/README.md.
 """
@@ -1337,9 +1337,9 @@ def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab
     return m_i, l_p, z_p, acc
 
 
-# tiles ahead of the loop whose blocks are prefetched into L2 (more bytes in flight than the
-# registers hold; further ahead the prefetched blocks crowd the L2)
-L2_AHEAD = gl.constexpr(2)
+# tiles ahead of the loop whose blocks are prefetched into L2, per head size (more bytes in
+# flight than the registers hold; further ahead the prefetched blocks crowd the L2)
+L2_AHEAD_64 = gl.constexpr(2)
 # head 128 (twice head 64's bytes a tile): the tile whose words the loop loads next, measured fastest
 L2_AHEAD_128 = gl.constexpr(1)
 # head 256 loads each tile's words in its own iteration: the prefetch of that tile's blocks just
@@ -1457,10 +1457,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         # barriers (one warp: no waiting) pin the loads there: ptxas otherwise sinks them to the
         # end of the loop body, closer to their use than the HBM latency. The words of the last
         # split's last tile are loaded once its other tiles are done.
-        if D == 128:
-            ahead: gl.constexpr = L2_AHEAD_128
-        else:
-            ahead: gl.constexpr = L2_AHEAD
+        ahead: gl.constexpr = L2_AHEAD_128 if D == 128 else L2_AHEAD_64
         pf = _l2_page(t0 + ahead, t1, seq_len, bt_row, lane, BS)
         for t in range(t0, t_mid):
             _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, D)
@@ -1611,6 +1608,18 @@ def programs_per_sm(spec, q, kv_cache, block_table, seq_lens, group: int,
         # warps: 144-168 registers fit 3 one-warp programs per bank, not 65536 / (32·regs)
         _RESIDENT[key] = 4 * max(1, min(16, 16384 // (32 * regs)))
     return _RESIDENT[key]
+
+
+def num_splits(resident: int, groups: int, head_size: int) -> int:
+    """The split count for ``groups`` (sequence, KV head) pairs when the GPU holds ``resident``
+    of these one-warp programs at once: exactly one wave (a partial second wave idles most SMs),
+    1..MAX_SPLITS."""
+    n = max(1, min(MAX_SPLITS.value, resident // groups))
+    if head_size == 256 and n > 16:
+        # past 16 splits, half as many longer ones measured 3-7 % faster
+        # (bench/results/decode256_l2_next_tile_h100_s29.md)
+        n //= 2
+    return n
 
 
 def launch(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group: int,

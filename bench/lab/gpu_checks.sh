@@ -9,13 +9,14 @@
 # the call's carry. Steps:
 #   tests G  pytest -m gpu in parts of about one call: G = kernels (tests/kernels without the 7
 #            head-256 cases, ~6 min of compiles; session 29's prefetch distance L2_AHEAD_128 landed
-#            after 5 of 8 presets' test_decode_mma_path_gpu) or others (tests/attention, tests/engine)
+#            after 5 of 8 presets' test_decode_mma_path_gpu), others (tests/attention, tests/engine)
+#            or all (every gpu test over 8 pytest-xdist workers, so the compiles run in parallel)
 #   l2a64    the L2 prefetch distance at head 64: 2 (the default) against 3 (session 29 measured 1
 #            slower, bench/results/l2_prefetch_head64_128_h100_s29.json; 3 not yet tried)
 #   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24)
 #   h200     issue 27's ratio table (heads 64, 256, padded 80/96) and issue 29's centering cost
 set -u
-STEP=${1:?step: tests kernels|others, l2a64, engine or h200}
+STEP=${1:?step: tests kernels|others|all, l2a64, engine or h200}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -31,7 +32,8 @@ tests)
   case ${2:-} in
     kernels) set -- tests/kernels -k "not head256" ;;
     others) set -- tests/attention tests/engine ;;
-    *) echo "tests: kernels or others"; exit 2 ;;
+    all) set -- -n 8 tests ;;
+    *) echo "tests: kernels, others or all"; exit 2 ;;
   esac
   timeout $(left) python3 -m pytest -m gpu -p no:warnings -rA "$@" > $OUT/gpu_tests.log 2>&1
   echo "rc=$?" >> $OUT/gpu_tests.log; grep -cE "^PASSED" $OUT/gpu_tests.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests.log ;;

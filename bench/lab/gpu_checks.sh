@@ -13,7 +13,7 @@
 #            or all (every gpu test over 8 pytest-xdist workers, so the compiles run in parallel)
 #   l2a64    the L2 prefetch distance at head 64: 2 (the default) against 3 (session 29 measured 1
 #            slower, bench/results/l2_prefetch_head64_128_h100_s29.json; 3 not yet tried)
-#   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24)
+#   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24; WORKLOADS picks)
 #   h200     issue 27's ratio table (heads 64, 256, padded 80/96) and issue 29's centering cost
 set -u
 STEP=${1:?step: tests kernels|others|all, l2a64, engine or h200}
@@ -47,7 +47,7 @@ l2a64)
     done
   done ;;
 engine)
-  for w in chat cache-bound decode-heavy; do
+  for w in ${WORKLOADS:-chat cache-bound decode-heavy}; do
     [ $(left) -lt 170 ] && break
     timeout $(left) python3 -m tqattn.cli bench throughput --workload $w \
       --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 --out-dir $OUT/$w > $OUT/$w.log 2>&1

@@ -63,5 +63,6 @@ h200)
   done ;;
 *) echo "unknown step $STEP"; exit 2 ;;
 esac
-cd $OUT && tar cJf $STEP.tar.xz --exclude=$STEP.tar.xz --exclude=device.txt * && find . -mindepth 1 \
-  ! -name $STEP.tar.xz ! -name device.txt -delete; ls -la $OUT
+# one archive per step, so that steps can run one after another in a call
+cd $OUT && tar cJf $STEP.tar.xz --exclude='*.tar.xz' --exclude=device.txt * && find . -mindepth 1 \
+  ! -name '*.tar.xz' ! -name device.txt -delete; ls -la $OUT

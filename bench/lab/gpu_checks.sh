@@ -7,16 +7,13 @@
 # FA3 (tokenspeed-fa3) travels unpacked and xz-compressed as .carry/fa3.tar.xz (27 MiB; made here
 # with `pip download --no-deps tokenspeed-fa3==3.0.0.post20260810`, unzip, `tar cJf`): name it in
 # the call's carry. Steps:
-#   tests G  pytest -m gpu in parts of about one call: G = kernels (tests/kernels without the 7
-#            head-256 cases, ~6 min of compiles; session 29's prefetch distance L2_AHEAD_128 landed
-#            after 5 of 8 presets' test_decode_mma_path_gpu), others (tests/attention, tests/engine)
-#            or all (every gpu test over 8 pytest-xdist workers, so the compiles run in parallel)
-#   l2a64    the L2 prefetch distance at head 64: 2 (the default) against 3 (session 29 measured 1
-#            slower, bench/results/l2_prefetch_head64_128_h100_s29.json; 3 not yet tried)
+#   tests G  pytest -m gpu: G = all (every gpu test over 8 pytest-xdist workers, so the compiles
+#            run in parallel: 6.5 min on an H100, bench/results/gpu_tests_all_h100_s30.log), or a
+#            part: kernels (tests/kernels without the 7 head-256 cases), others (attention, engine)
 #   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24; WORKLOADS picks)
 #   h200     issue 27's ratio table (heads 64, 256, padded 80/96) and issue 29's centering cost
 set -u
-STEP=${1:?step: tests kernels|others|all, l2a64, engine or h200}
+STEP=${1:?step: tests kernels|others|all, engine or h200}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -37,15 +34,6 @@ tests)
   esac
   timeout $(left) python3 -m pytest -m gpu -p no:warnings -rA "$@" > $OUT/gpu_tests.log 2>&1
   echo "rc=$?" >> $OUT/gpu_tests.log; grep -cE "^PASSED" $OUT/gpu_tests.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests.log ;;
-l2a64)
-  for a in 2 3 2 3; do
-    for h in 9/3/64 14/2/64; do
-      [ $(left) -lt 40 ] && break
-      timeout 60 python3 bench/lab/split_sweep.py --l2-ahead $a --presets turboquant_k3v4_nc,tq_k4v3 --heads $h \
-        --shapes 32x16384-16384,256x1024-1280 --splits 1 --out $OUT/l2a_${a}_$(echo $h | tr / _)_$(date +%s).json \
-        > /dev/null 2>&1
-    done
-  done ;;
 engine)
   for w in ${WORKLOADS:-chat cache-bound decode-heavy}; do
     [ $(left) -lt 170 ] && break

@@ -7,13 +7,12 @@
 # FA3 (tokenspeed-fa3) travels unpacked and xz-compressed as .carry/fa3.tar.xz (27 MiB; made here
 # with `pip download --no-deps tokenspeed-fa3==3.0.0.post20260810`, unzip, `tar cJf`): name it in
 # the call's carry. Steps:
-#   tests G  pytest -m gpu: G = all (every gpu test over 8 pytest-xdist workers, so the compiles
-#            run in parallel: 6.5 min on an H100, bench/results/gpu_tests_all_h100_s30.log), or a
-#            part: kernels (tests/kernels without the 7 head-256 cases), others (attention, engine)
+#   tests    pytest -m gpu, every gpu test over 8 pytest-xdist workers so that the compiles run
+#            in parallel (6.2 min on an H100, bench/results/gpu_tests_all_h100_s30.log)
 #   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24; WORKLOADS picks)
 #   h200     issue 27's ratio table (heads 64, 256, padded 80/96) and issue 29's centering cost
 set -u
-STEP=${1:?step: tests kernels|others|all, engine or h200}
+STEP=${1:?step: tests, engine or h200}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -26,13 +25,7 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" 
 
 case $STEP in
 tests)
-  case ${2:-} in
-    kernels) set -- tests/kernels -k "not head256" ;;
-    others) set -- tests/attention tests/engine ;;
-    all) set -- -n 8 tests ;;
-    *) echo "tests: kernels, others or all"; exit 2 ;;
-  esac
-  timeout $(left) python3 -m pytest -m gpu -p no:warnings -rA "$@" > $OUT/gpu_tests.log 2>&1
+  timeout $(left) python3 -m pytest -m gpu -p no:warnings -rA -n 8 tests > $OUT/gpu_tests.log 2>&1
   echo "rc=$?" >> $OUT/gpu_tests.log; grep -cE "^PASSED" $OUT/gpu_tests.log; grep -E "^(FAILED|ERROR)" $OUT/gpu_tests.log ;;
 engine)
   for w in ${WORKLOADS:-chat cache-bound decode-heavy}; do

@@ -70,9 +70,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.l2_ahead is not None:
         from triton.experimental.gluon import language as gl
-        decode_mma.L2_AHEAD_64 = gl.constexpr(args.l2_ahead)
-        decode_mma.L2_AHEAD_128 = gl.constexpr(args.l2_ahead)
-        decode_mma.L2_AHEAD_256 = gl.constexpr(args.l2_ahead)
+        for d in (64, 128, 256):
+            setattr(decode_mma, f"L2_AHEAD_{d}", gl.constexpr(args.l2_ahead))
     env = {**environment(), "command": "python3 " + " ".join(sys.argv), "sms": num_sms("cuda")}
     print(json.dumps(env), flush=True)
     timer = Timer()

@@ -13,7 +13,7 @@ hands over q and k as its RoPE kernels laid them out, instead of copying them in
 eager mode would have had (one copy kernel per input and layer; the backends take strides).
 ``tqattn::attention_exact_strides`` (the same body, Inductor's default constraint) serves
 layers with a single query or KV head: Inductor cannot order the strides of such a buffer,
-whose size-1 dims both hold the unbacked token count.
+whose size-1 dims can both hold the token count.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """The compiled model forward, where compile caches live, and counting compilations.
 
 The decoder layers are compiled (``torch.compile``, one graph per layer class shared by its
-layers: :func:`compile_layers`) with the token dimension unbacked: Dynamo treats T as an unknown
-size, so one graph serves every step, one-token decodes included (a backed size of 1 would be
-specialized into a second graph). Attention inside is the opaque ``tqattn::attention`` op.
+layers: :func:`compile_layers`) with the token dimension T a dynamic (backed) size: one graph
+serves every step of two or more tokens, and Dynamo specializes T = 1 into a second graph, which
+the engine's warm-up compiles. An unbacked T would need one graph only, but Inductor then fuses
+no reduction with its consumers: Qwen3-4B's layer ran 12 kernels besides GEMMs and attention
+instead of 6, and its 256-sequence decode step took 0.6 ms longer (bench/results/README.md).
+Attention inside is the opaque ``tqattn::attention`` op.
 
 Compilations are counted process-wide: Dynamo frame compiles (a compile-start callback) and
 Triton/Gluon kernel variants built by Triton's JIT (``triton.knobs.compilation.listener``,
@@ -74,8 +77,8 @@ def compile_layers(model: torch.nn.Module) -> int:
     """Compile the decoder layers (regional compilation): one ``torch.compile`` per layer class,
     shared by all its layers — the parameters and the layer's index (a buffer, see
     ``use_tqattn``) are graph inputs, so the first layer's graph serves the rest and start-up
-    traces one layer instead of the whole model. The token dimension is unbacked, so one graph
-    serves every step, one-token decodes included. Embedding, final norm and LM head run eagerly
+    traces one layer instead of the whole model. The token dimension is dynamic: one graph
+    serves every step of two or more tokens, a second one one-token steps. Embedding, final norm and LM head run eagerly
     (a few kernels; decode steps replay them inside their CUDA graph). Fused kernels round to
     the model dtype where eager rounds (``emulate_precision_casts``), so the cache's codec gets
     the keys eager computes (bench/results/README.md). Returns the number of compiled layer
@@ -88,13 +91,13 @@ def compile_layers(model: torch.nn.Module) -> int:
         if cls not in compiled:
             compiled[cls] = torch.compile(cls.forward, dynamic=False,
                                           options=dict(INDUCTOR_OPTIONS))
-        layer.forward = _with_unbacked_tokens(compiled[cls], layer)
+        layer.forward = _with_dynamic_tokens(compiled[cls], layer)
     return len(compiled)
 
 
-def _with_unbacked_tokens(fn, layer: torch.nn.Module):
+def _with_dynamic_tokens(fn, layer: torch.nn.Module):
     """``layer.forward`` through the compiled ``fn``, the token dimension of every input marked
-    unbacked (an attribute write): (1, T, ...) tensors at dim 1, (T,) tensors at dim 0."""
+    dynamic (an attribute write): (1, T, ...) tensors at dim 1, (T,) tensors at dim 0."""
     def forward(hidden_states: torch.Tensor, *args, **kwargs):
         t = hidden_states.shape[1]
         _mark_tokens((hidden_states, args, tuple(kwargs.values())), t)
@@ -105,9 +108,9 @@ def _with_unbacked_tokens(fn, layer: torch.nn.Module):
 def _mark_tokens(x, t: int) -> None:
     if isinstance(x, torch.Tensor):
         if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == t:
-            torch._dynamo.decorators.mark_unbacked(x, 1)
+            torch._dynamo.mark_dynamic(x, 1)
         elif x.dim() == 1 and x.shape[0] == t:
-            torch._dynamo.decorators.mark_unbacked(x, 0)
+            torch._dynamo.mark_dynamic(x, 0)
     elif isinstance(x, (tuple, list)):
         for y in x:
             _mark_tokens(y, t)

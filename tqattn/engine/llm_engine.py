@@ -377,8 +377,10 @@ class LLMEngine:
         # the calibration ran inside the load: its own part
         self.startup_times["load"] -= self.key_plan.seconds
         self.startup_times["calibration"] = self.key_plan.seconds
-        if compile_model:  # at the largest step's size: what Inductor tunes for
+        if compile_model:  # at the largest step's size (what Inductor tunes for), then the
+            # one-token graph (compilation.compile_layers)
             runner.dummy_prefill(args.max_num_batched_tokens, loaded.max_model_len)
+            runner.dummy_prefill(1, loaded.max_model_len)
         done("compile")
         num_blocks = self._num_blocks(sum(g.page_bytes for g in groups), loaded.max_model_len)
         self.kv_cache_config = KVCacheConfig(args.block_size, num_blocks, groups)

@@ -6,8 +6,9 @@ batch (the block tables and slots differ between groups), and the group's backen
 it into the backend's metadata. The attention calls find both in the forward context.
 
 Compiled model (``compile_model``): the decoder layers run through ``torch.compile`` with the
-token dimension unbacked (:func:`tqattn.engine.compilation.compile_layers`), compiled by the
-first forward (the engine makes that call at start-up); prefill and mixed steps run it directly.
+token dimension dynamic (:func:`tqattn.engine.compilation.compile_layers`), compiled by the
+first forward and, for one-token steps, by the first of those (start-up makes both calls);
+prefill and mixed steps run it directly.
 
 CUDA graphs (CUDA only, unless enforce_eager): pure-decode steps replay a graph captured per
 batch-size bucket over the (compiled or eager) forward, the batch padded to the bucket (padding

@@ -1,7 +1,8 @@
 """Start-up warm-up: one dummy step of each kind a run can reach, so nothing compiles mid-run.
 
-What compiles on first use: the Dynamo graph of a compiled model (one graph for every token
-count; this only confirms it) and each Triton/Gluon kernel variant. A kernel variant is keyed by
+What compiles on first use: the Dynamo graphs of a compiled model (one for one-token steps, one
+for the rest, both compiled before the warm-up; this only confirms them) and each Triton/Gluon
+kernel variant. A kernel variant is keyed by
 its constexpr launch parameters (some chosen from the step's sizes: rows per program, the split
 count being 1 or more, the store's key splits) and by the integer arguments Triton specializes
 (== 1, divisible by 16); the kernels exclude the ones that change from step to step (block-table

@@ -1,0 +1,79 @@
+"""Lab: bench/model_step.py under a variant of Inductor's settings (issue 24: the decode step's
+~12 small fused elementwise kernels a layer), one variant per process:
+
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TORCH_LOGS=fusion,output_code \
+        python3 bench/lab/inductor_variants.py VARIANT -- --skip-trivial --sizes 1,256 \
+        --kv-cache-dtypes turboquant_k3v4_nc --profile --out $OUT/VARIANT.json
+
+Variants (joined with '+'): main (the engine's settings), persist (persistent reductions up to
+8,192 elements, Inductor's own limit being 1,024 for inner reductions: RMSNorm over 2,560),
+aggr (``aggressive_fusion``), notile (the fusions a 2-D tiling would prevent allowed:
+``triton.tiling_prevents_*_fusion`` off), noemu (``emulate_precision_casts`` off, a diagnostic:
+the engine needs it), backed (the token dimension a backed dynamic size instead of unbacked:
+the compiled trivial forward measured 0.2-0.6 ms faster so, model_step_h200_s16.json). Give each process its own Inductor cache: the persist patch is not in the
+cache key.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _mark_backed(x, t: int) -> None:
+    # the engine's _mark_tokens with a backed dynamic size: Dynamo specializes T = 1 into a
+    # second graph (the engine's warm-up compiles both)
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == t:
+            torch._dynamo.mark_dynamic(x, 1)
+        elif x.dim() == 1 and x.shape[0] == t:
+            torch._dynamo.mark_dynamic(x, 0)
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            _mark_backed(y, t)
+
+
+def apply(variant: str) -> None:
+    import torch._inductor.config as ic
+    from torch._inductor import choices
+
+    from tqattn.engine import compilation
+
+    for part in variant.split("+"):
+        if part == "main":
+            continue
+        if part == "aggr":
+            ic.aggressive_fusion = True
+        elif part == "notile":
+            ic.triton.tiling_prevents_reduction_fusion = False
+            ic.triton.tiling_prevents_pointwise_fusion = False
+        elif part == "backed":
+            compilation._mark_tokens = _mark_backed
+        elif part == "noemu":
+            compilation.INDUCTOR_OPTIONS["emulate_precision_casts"] = False
+        elif part == "persist":
+            orig = choices.InductorChoices.should_use_persistent_reduction
+
+            def persistent(features, cooperative_reduction, _orig=orig):
+                if _orig(features, cooperative_reduction):
+                    return True
+                n = features.reduction_numel
+                return (not cooperative_reduction and getattr(n, "is_number", False)
+                        and int(n) <= 8192)
+            choices.InductorChoices.should_use_persistent_reduction = staticmethod(persistent)
+        else:
+            raise SystemExit(f"unknown variant part {part!r}: main, persist, aggr, notile, noemu, backed")
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if len(argv) < 2 or argv[1] != "--":
+        raise SystemExit(__doc__)
+    apply(argv[0])
+    from bench import model_step
+    sys.argv = [sys.argv[0]] + argv[2:]
+    raise SystemExit(model_step.main())

@@ -1,5 +1,5 @@
 """Lab: bench/model_step.py under a variant of Inductor's settings (issue 24: the decode step's
-~12 small fused elementwise kernels a layer), one variant per process:
+small fused elementwise kernels, 6 a Qwen3-4B layer), one variant per process:
 
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TORCH_LOGS=fusion,output_code \
         python3 bench/lab/inductor_variants.py VARIANT -- --skip-trivial --sizes 1,256 \
@@ -9,9 +9,10 @@ Variants (joined with '+'): main (the engine's settings), persist (persistent re
 8,192 elements, Inductor's own limit being 1,024 for inner reductions: RMSNorm over 2,560),
 aggr (``aggressive_fusion``), notile (the fusions a 2-D tiling would prevent allowed:
 ``triton.tiling_prevents_*_fusion`` off), noemu (``emulate_precision_casts`` off, a diagnostic:
-the engine needs it), backed (the token dimension a backed dynamic size instead of unbacked:
-the compiled trivial forward measured 0.2-0.6 ms faster so, model_step_h200_s16.json). Give each process its own Inductor cache: the persist patch is not in the
-cache key.
+the engine needs it), unbacked (the token dimension unbacked, the engine's setting before
+session 31, when this script's 'backed' variant, the engine's since, measured 0.6 ms faster at
+256 tokens: bench/results/inductor_variants_h100_s31.json). Give each process its own Inductor
+cache: the persist patch is not in the cache key.
 """
 
 from __future__ import annotations
@@ -22,19 +23,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def _mark_backed(x, t: int) -> None:
-    # the engine's _mark_tokens with a backed dynamic size: Dynamo specializes T = 1 into a
-    # second graph (the engine's warm-up compiles both)
+def _mark_unbacked(x, t: int) -> None:
+    # the engine's _mark_tokens before session 31: one graph for every token count
     import torch
 
     if isinstance(x, torch.Tensor):
         if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == t:
-            torch._dynamo.mark_dynamic(x, 1)
+            torch._dynamo.decorators.mark_unbacked(x, 1)
         elif x.dim() == 1 and x.shape[0] == t:
-            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.decorators.mark_unbacked(x, 0)
     elif isinstance(x, (tuple, list)):
         for y in x:
-            _mark_backed(y, t)
+            _mark_unbacked(y, t)
 
 
 def apply(variant: str) -> None:
@@ -51,8 +51,8 @@ def apply(variant: str) -> None:
         elif part == "notile":
             ic.triton.tiling_prevents_reduction_fusion = False
             ic.triton.tiling_prevents_pointwise_fusion = False
-        elif part == "backed":
-            compilation._mark_tokens = _mark_backed
+        elif part == "unbacked":
+            compilation._mark_tokens = _mark_unbacked
         elif part == "noemu":
             compilation.INDUCTOR_OPTIONS["emulate_precision_casts"] = False
         elif part == "persist":
@@ -66,7 +66,7 @@ def apply(variant: str) -> None:
                         and int(n) <= 8192)
             choices.InductorChoices.should_use_persistent_reduction = staticmethod(persistent)
         else:
-            raise SystemExit(f"unknown variant part {part!r}: main, persist, aggr, notile, noemu, backed")
+            raise SystemExit(f"unknown variant part {part!r}: main, persist, aggr, notile, noemu, unbacked")
 
 
 if __name__ == "__main__":

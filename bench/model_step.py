@@ -2,9 +2,9 @@
 
 1. Qwen3-4B (dummy weights) forward over a (1, B) decode batch with a trivial opaque attention
    op (a copy of q), CUDA-graph replay, eager transformers code vs the whole forward compiled
-   (torch.compile, token dimension unbacked, the engine's Inductor options; the engine itself
-   compiles layer by layer, tqattn.engine.compilation.compile_layers): median ms at each B,
-   and the compile time.
+   (torch.compile, the token dimension a dynamic size as the engine marks it — one graph for one
+   token, one for more — and the engine's Inductor options; the engine itself compiles layer by
+   layer, tqattn.engine.compilation.compile_layers): median ms at each B, and the compile time.
 2. The engine's decode step through tqattn.LLM (compiled + CUDA graphs, the defaults) for each
    kv-cache dtype: B sequences with ctx-token prompts, median wall time of pure-decode steps,
    plus the engine's start-up parts and its compilations after start-up.
@@ -51,20 +51,23 @@ def _trivial_hook(module, query, key, value, attention_mask, **kwargs):
 
 def compile_whole():
     """The whole forward compiled (the reference of the latency bound: the best a compiled model
-    does), its token dimension unbacked as the engine's layers have it."""
+    does), its token dimension dynamic as the engine's layers have it."""
     return torch.compile(compilation.model_logits, dynamic=False,
                          options=dict(compilation.INDUCTOR_OPTIONS))
 
 
-def call_whole(fn, model, *tensors):
+def call_whole(fn, model, *tensors, unbacked: bool = False):
     args = [t if t.is_inference() else t.clone() for t in tensors]
     for t in args:
-        torch._dynamo.decorators.mark_unbacked(t, 0)
+        if unbacked:
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        else:
+            torch._dynamo.mark_dynamic(t, 0)
     return fn(model, *args)
 
 
 @torch.inference_mode()
-def model_outside_attention(model_name: str, sizes: list[int], backed: bool = False) -> dict:
+def model_outside_attention(model_name: str, sizes: list[int], unbacked: bool = False) -> dict:
     from transformers import AttentionInterface
 
     from tqattn.models import load_model
@@ -89,24 +92,19 @@ def model_outside_attention(model_name: str, sizes: list[int], backed: bool = Fa
         out["compiled_ms"][b] = timer.graph_us(
             lambda: call_whole(compiled, *args))["us"] / 1e3
     out["graph_breaks"] = compilation.graph_breaks()
-    if backed:
-        # lab: the token dimension as a backed dynamic size (min 2: sizes 0/1 are specialized),
-        # against the product's unbacked one; measured at max(b, 2)
-        out["backed_ms"] = {}
-        fn = torch.compile(compilation.model_logits, dynamic=False)
-
-        def call(n):
-            a = [ids[:n].clone(), pos[:n].clone(), index[:n].clone()]
-            for x in a:
-                torch._dynamo.mark_dynamic(x, 0, min=2, max=1 << 16)
-            return fn(model, *a)
+    if unbacked:
+        # lab: the token dimension unbacked (the engine's choice before session 31: one graph for
+        # every size, but fewer fusions), in a fresh compile
+        out["unbacked_ms"] = {}
+        fn = compile_whole()
         t = time.perf_counter()
-        call(max(*sizes, 2))  # a size-1 input would violate min=2
+        call_whole(fn, model, ids, pos, index, unbacked=True)
         torch.cuda.synchronize()
-        out["backed_compile_s" = time.perf_counter() - t
+        out["unbacked_compile_s"] = time.perf_counter() - t
         for b in sizes:
-            n = max(b, 2)
-            out["backed_ms"][b] = timer.graph_us(lambda: call(n))["us"] / 1e3
+            args = (model, ids[:b], pos[:b], index[:b])
+            out["unbacked_ms"][b] = timer.graph_us(
+                lambda: call_whole(fn, *args, unbacked=True))["us"] / 1e3
     del model, compiled
     return out
 
@@ -202,8 +200,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")
     p.add_argument("--kv-cache-gib", type=float, default=48.0,
                    help="KV-cache budget (bf16 needs ~42 GiB for 256 x 1.1K tokens of Qwen3-4B)")
-    p.add_argument("--backed", action="store_true",
-                   help="also time the trivial forward compiled with a backed dynamic token size")
+    p.add_argument("--unbacked", action="store_true",
+                   help="also time the trivial forward compiled with an unbacked token size")
     p.add_argument("--fuse-projections", choices=["default", "on", "off", "both"],
                    default="default", help="the engine's fuse_projections; both: off, then on")
     p.add_argument("--skip-engine", action="store_true", help="only the trivial forward")
@@ -215,7 +213,7 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     result = {"env": environment(), "args": vars(args), "engine": {},
               "trivial": None if args.skip_trivial else model_outside_attention(args.model, sizes,
-                                                                                args.backed)}
+                                                                                args.unbacked)}
     gc.collect()
     torch.cuda.empty_cache()
     fuse = {"default": [(None, "")], "on": [(True, "")], "off": [(False, "")],
@@ -259,9 +257,9 @@ def main() -> int:
             for k in pr["top_cpu_ops"][:8]:
                 print(f"  cpu {k['self_cpu_ms_per_step']:7.3f} ms {k['count_per_step']:6.1f}x  "
                       f"{k['name']}")
-    if args.backed:
-        print("backed token size: compile %.1f s; " % tr["backed_compile_s"] + ", ".join(
-            f"B={b}: {tr['backed_ms'][b]:.2f} ms" for b in sizes))
+    if args.unbacked:
+        print("unbacked token size: compile %.1f s; " % tr["unbacked_compile_s"] + ", ".join(
+            f"B={b}: {tr['unbacked_ms'][b]:.2f} ms" for b in sizes))
     print(f"wrote {args.out}")
     return 0
 

@@ -11,8 +11,10 @@
 #            in parallel (6.2 min on an H100, bench/results/gpu_tests_all_h100_s30.log)
 #   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24; WORKLOADS picks)
 #   h200     issue 27's ratio table (heads 64, 256, padded 80/96) and issue 29's centering cost
+#   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
+#            Qwen3-4B's start-up with empty, then warm caches
 set -u
-STEP=${1:?step: tests, engine or h200}
+STEP=${1:?step: tests, engine, h200 or latency}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -42,6 +44,11 @@ h200)
     [ $(left) -lt 60 ] && break
     timeout 90 python3 bench/centering_overhead.py --out $OUT/centering_overhead_$i.json > $OUT/centering_$i.log 2>&1
   done ;;
+latency)
+  timeout 300 python3 bench/model_step.py --sizes 1 --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \
+    --out $OUT/model_step.json > $OUT/model_step.log 2>&1
+  timeout $(left) python3 bench/startup.py --model Qwen3-4B --kv-cache-dtypes turboquant_k3v4_nc,tq_k4v3 \
+    --out $OUT/startup.json > $OUT/startup.log 2>&1 ;;
 *) echo "unknown step $STEP"; exit 2 ;;
 esac
 # one archive per step, so that steps can run one after another in a call

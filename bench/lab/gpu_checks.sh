@@ -11,10 +11,12 @@
 #            in parallel (6.2 min on an H100, bench/results/gpu_tests_all_h100_s30.log)
 #   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24; WORKLOADS picks)
 #   h200     issue 27's ratio table (heads 64, 256, padded 80/96) and issue 29's centering cost
+#   store_ab bench/lab/pending/fused_store_encode_first.patch: its store GPU tests, then main and
+#            the patched tree in turns on the engine's decode shape (split_sweep, one split)
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
 #            Qwen3-4B's start-up with empty, then warm caches
 set -u
-STEP=${1:?step: tests, engine, h200 or latency}
+STEP=${1:?step: tests, engine, h200, latency or store_ab}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -43,6 +45,23 @@ h200)
   for i in 1 2; do
     [ $(left) -lt 60 ] && break
     timeout 90 python3 bench/centering_overhead.py --out $OUT/centering_overhead_$i.json > $OUT/centering_$i.log 2>&1
+  done ;;
+store_ab)
+  P=/tmp/patched; rm -rf $P && mkdir -p $P && cp -r tqattn bench tests pyproject.toml $P/
+  (cd $P && { git apply bench/lab/pending/fused_store_encode_first.patch 2>/dev/null \
+     || patch -p1 -s < bench/lab/pending/fused_store_encode_first.patch; }) || { echo "patch failed"; exit 3; }
+  (cd $P && PYTHONPATH=$P:/tmp/fa3 timeout 200 python3 -m pytest -m gpu -p no:warnings -rA -n 8 \
+     -k "store or new_kv" tests/kernels/test_kernels_gpu.py > $OUT/gpu_tests_store_patch.log 2>&1)
+  tail -2 $OUT/gpu_tests_store_patch.log
+  for turn in 1 2; do
+    for tree in $R $P; do
+      [ $(left) -lt 60 ] && break 2
+      tag=$([ $tree = $R ] && echo main || echo patch)_$turn
+      PYTHONPATH=$tree:/tmp/fa3 timeout 90 python3 $tree/bench/lab/split_sweep.py \
+        --presets turboquant_k3v4_nc,tq_k4v3 --heads 32/8/128 --shapes 256x1024-1280 --splits 1 \
+        --out $OUT/store_ab_$tag.json > $OUT/store_ab_$tag.log 2>&1
+      tail -3 $OUT/store_ab_$tag.log
+    done
   done ;;
 latency)
   timeout 300 python3 bench/model_step.py --sizes 1 --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \

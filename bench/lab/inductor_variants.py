@@ -17,27 +17,15 @@ cache: the persist patch is not in the cache key.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def _mark_unbacked(x, t: int) -> None:
-    # the engine's _mark_tokens before session 31: one graph for every token count
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == t:
-            torch._dynamo.decorators.mark_unbacked(x, 1)
-        elif x.dim() == 1 and x.shape[0] == t:
-            torch._dynamo.decorators.mark_unbacked(x, 0)
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            _mark_unbacked(y, t)
-
-
 def apply(variant: str) -> None:
+    import torch
     import torch._inductor.config as ic
     from torch._inductor import choices
 
@@ -51,8 +39,9 @@ def apply(variant: str) -> None:
         elif part == "notile":
             ic.triton.tiling_prevents_reduction_fusion = False
             ic.triton.tiling_prevents_pointwise_fusion = False
-        elif part == "unbacked":
-            compilation._mark_tokens = _mark_unbacked
+        elif part == "unbacked":  # the engine's marking before session 31
+            compilation._mark_tokens = functools.partial(
+                compilation._mark_tokens, mark=torch._dynamo.decorators.mark_unbacked)
         elif part == "noemu":
             compilation.INDUCTOR_OPTIONS["emulate_precision_casts"] = False
         elif part == "persist":
@@ -66,7 +55,8 @@ def apply(variant: str) -> None:
                         and int(n) <= 8192)
             choices.InductorChoices.should_use_persistent_reduction = staticmethod(persistent)
         else:
-            raise SystemExit(f"unknown variant part {part!r}: main, persist, aggr, notile, noemu, unbacked")
+            raise SystemExit(f"unknown variant part {part!r}: main, persist, aggr, notile, "
+                             "noemu, unbacked")
 
 
 if __name__ == "__main__":

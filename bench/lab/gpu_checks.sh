@@ -105,11 +105,11 @@ item6)
   python3 -m zipfile -e /tmp/gguf/gguf-*.whl /tmp/smol
   timeout 240 python3 bench/compiled_vs_eager.py --gate-configs '' --out $OUT/decode_path.json \
     > $OUT/decode_path.log 2>&1
-  # 80 arithmetic problems took ~1 min for three configs on an H100 (session 32)
-  timeout 120 python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 80 \
+  # 80 arithmetic problems took ~1 min for three configs on an H100 (session 32, before the floor run)
+  timeout 150 python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 80 \
     --gate-configs SmolLM2-135M-arith-auto,SmolLM2-135M-arith-TQ-k3v4nc,SmolLM2-135M-arith-tq_k4v3 \
     --items /tmp/gguf/items_arith.json --out $OUT/gate_arith.json > $OUT/gate_arith.log 2>&1
-  timeout 150 python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 40 \
+  timeout 200 python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 40 \
     --gate-configs SmolLM2-135M-auto,SmolLM2-135M-TQ-k3v4nc,SmolLM2-135M-tq_k4v3 \
     --items /tmp/gguf/items_gsm8k.json --out $OUT/gate_gsm8k.json > $OUT/gate_gsm8k.log 2>&1
   # the compiled-engine GPU tests, the real-weight ones among them (> 200 s one worker at a time)

@@ -35,6 +35,26 @@ if [ -f .carry/fa3.tar.xz ]; then
 fi
 export PYTHONPATH=$R:/tmp/fa3:/tmp/smol  # /tmp/smol: the GGUF and gguf, once item6 assembled them
 mkdir -p /tmp/gguf && cp .carry/gguf/* /tmp/gguf/ 2>/dev/null
+# patch_ab NAME TESTS MIN_LEFT SCRIPT ARGS...: $PATCH applied to a copy of the tree, its GPU
+# kernel tests matching TESTS, then SCRIPT ARGS run by main and the patched tree in turns, twice
+patch_ab() {
+  local name=$1 tests=$2 min=$3 P=/tmp/patched; shift 3
+  rm -rf $P && mkdir -p $P && cp -r tqattn bench tests pyproject.toml $P/
+  (cd $P && { git apply $R/${PATCH:?PATCH=bench/lab/pending/NAME.patch} 2>/dev/null \
+     || patch -p1 -s < $R/$PATCH; }) || { echo "patch failed"; exit 3; }
+  (cd $P && PYTHONPATH=$P:/tmp/fa3 timeout 200 python3 -m pytest -m gpu -p no:warnings -rA -n 8 \
+     -k "$tests" tests/kernels/test_kernels_gpu.py > $OUT/gpu_tests_${name}_patch.log 2>&1)
+  tail -2 $OUT/gpu_tests_${name}_patch.log
+  for turn in 1 2; do
+    for tree in $R $P; do
+      [ $(left) -lt $min ] && return
+      local tag=$([ $tree = $R ] && echo main || echo patch)_$turn
+      PYTHONPATH=$tree:/tmp/fa3 timeout 90 python3 $tree/"$@" --out $OUT/${name}_ab_$tag.json \
+        > $OUT/${name}_ab_$tag.log 2>&1
+      tail -3 $OUT/${name}_ab_$tag.log
+    done
+  done
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee $OUT/device.txt
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> $OUT/device.txt
 
@@ -61,38 +81,10 @@ h200)
     timeout 90 python3 bench/centering_overhead.py --out $OUT/centering_overhead_$i.json > $OUT/centering_$i.log 2>&1
   done ;;
 store_ab)
-  P=/tmp/patched; rm -rf $P && mkdir -p $P && cp -r tqattn bench tests pyproject.toml $P/
-  (cd $P && { git apply $R/${PATCH:?PATCH=bench/lab/pending/NAME.patch} 2>/dev/null \
-     || patch -p1 -s < $R/$PATCH; }) || { echo "patch failed"; exit 3; }
-  (cd $P && PYTHONPATH=$P:/tmp/fa3 timeout 200 python3 -m pytest -m gpu -p no:warnings -rA -n 8 \
-     -k "store or new_kv" tests/kernels/test_kernels_gpu.py > $OUT/gpu_tests_store_patch.log 2>&1)
-  tail -2 $OUT/gpu_tests_store_patch.log
-  for turn in 1 2; do
-    for tree in $R $P; do
-      [ $(left) -lt 60 ] && break 2
-      tag=$([ $tree = $R ] && echo main || echo patch)_$turn
-      PYTHONPATH=$tree:/tmp/fa3 timeout 90 python3 $tree/bench/lab/split_sweep.py \
-        --presets turboquant_k3v4_nc,tq_k4v3 --heads 32/8/128 --shapes 256x1024-1280 --splits 1 \
-        --out $OUT/store_ab_$tag.json > $OUT/store_ab_$tag.log 2>&1
-      tail -3 $OUT/store_ab_$tag.log
-    done
-  done ;;
+  patch_ab store "store or new_kv" 60 bench/lab/split_sweep.py --presets turboquant_k3v4_nc,tq_k4v3 \
+    --heads 32/8/128 --shapes 256x1024-1280 --splits 1 ;;
 centering_ab)
-  P=/tmp/patched; rm -rf $P && mkdir -p $P && cp -r tqattn bench tests pyproject.toml $P/
-  (cd $P && { git apply $R/${PATCH:?PATCH=bench/lab/pending/NAME.patch} 2>/dev/null \
-     || patch -p1 -s < $R/$PATCH; }) || { echo "patch failed"; exit 3; }
-  (cd $P && PYTHONPATH=$P:/tmp/fa3 timeout 200 python3 -m pytest -m gpu -p no:warnings -rA -n 8 \
-     -k "store" tests/kernels/test_kernels_gpu.py > $OUT/gpu_tests_centering_patch.log 2>&1)
-  tail -2 $OUT/gpu_tests_centering_patch.log
-  for turn in 1 2; do
-    for tree in $R $P; do
-      [ $(left) -lt 100 ] && break 2
-      tag=$([ $tree = $R ] && echo main || echo patch)_$turn
-      PYTHONPATH=$tree:/tmp/fa3 timeout 90 python3 $tree/bench/centering_overhead.py \
-        --out $OUT/centering_ab_$tag.json > $OUT/centering_ab_$tag.log 2>&1
-      grep -iE "overhead|%" $OUT/centering_ab_$tag.log | tail -4
-    done
-  done ;;
+  patch_ab centering "store" 100 bench/centering_overhead.py ;;
 latency)
   timeout 300 python3 bench/model_step.py --sizes 1 --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \
     --out $OUT/model_step.json > $OUT/model_step.log 2>&1

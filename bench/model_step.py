@@ -58,11 +58,8 @@ def compile_whole():
 
 def call_whole(fn, model, *tensors, unbacked: bool = False):
     args = [t if t.is_inference() else t.clone() for t in tensors]
-    for t in args:
-        if unbacked:
-            torch._dynamo.decorators.mark_unbacked(t, 0)
-        else:
-            torch._dynamo.mark_dynamic(t, 0)
+    compilation._mark_tokens(args, args[0].shape[0], mark=torch._dynamo.decorators.mark_unbacked
+                             if unbacked else torch._dynamo.mark_dynamic)
     return fn(model, *args)
 
 

@@ -80,10 +80,9 @@ def compile_layers(model: torch.nn.Module) -> int:
     traces one layer instead of the whole model. The token dimension is dynamic: one graph
     serves every step of two or more tokens, a second one the one-token steps. Embedding, final
     norm and LM head run eagerly (a few kernels; decode steps replay them inside their CUDA
-    graph). Fused kernels round to
-    the model dtype where eager rounds (``emulate_precision_casts``), so the cache's codec gets
-    the keys eager computes (bench/results/README.md). Returns the number of compiled layer
-    classes."""
+    graph). Fused kernels round to the model dtype where eager rounds
+    (``emulate_precision_casts``), so the cache's codec gets the keys eager computes
+    (bench/results/README.md). Returns the number of compiled layer classes."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT)
     compiled: dict[type, object] = {}

@@ -5,8 +5,8 @@ for the rest, both compiled before the warm-up; this only confirms them) and eac
 kernel variant. A kernel variant is keyed by its constexpr launch parameters (some chosen from
 the step's sizes: rows per program, the split count being 1 or more, the store's key splits) and
 by the integer arguments Triton specializes (== 1, divisible by 16); the kernels exclude the ones
-that change from step to step (block-table width, split count, row count). So each step kind the attention backends branch on runs at
-sizes of each class:
+that change from step to step (block-table width, split count, row count). So each step kind
+the attention backends branch on runs at sizes of each class:
 
 * first-chunk prefill: the largest step, a small one, several prompts in one step;
 * decodes (eager: CUDA graphs off or not graph-safe; graphs are captured separately): batches

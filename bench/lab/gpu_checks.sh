@@ -24,7 +24,8 @@
 #            decode path, the arithmetic and GSM8K gate configs on the same problems, the
 #            real-weight GPU tests. Needs .carry/gguf/: the gguf wheel, the gate items
 #            (`bench/compiled_vs_eager.py --write-items`) and the GGUF split in parts (`split -b
-#            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf
+#            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf.
+#            ITEM6="decode arith gsm8k tests" (the default) picks its parts
 set -u
 STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab or item6}
 T0=$(date +%s)
@@ -95,17 +96,18 @@ item6)
   cat /tmp/gguf/part* > $G
   echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $G" | sha256sum -c || exit 3
   python3 -m zipfile -e /tmp/gguf/gguf-*.whl /tmp/smol
-  timeout 240 python3 bench/compiled_vs_eager.py --gate-configs '' --out $OUT/decode_path.json \
-    > $OUT/decode_path.log 2>&1
+  has() { [[ " ${ITEM6:-decode arith gsm8k tests} " == *" $1 "* ]]; }
+  has decode && timeout 240 python3 bench/compiled_vs_eager.py --gate-configs '' \
+    --out $OUT/decode_path.json > $OUT/decode_path.log 2>&1
   # 80 arithmetic problems took ~1 min for three configs on an H100 (session 32, before the floor run)
-  timeout 150 python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 80 \
+  has arith && timeout 150 python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 80 \
     --gate-configs SmolLM2-135M-arith-auto,SmolLM2-135M-arith-TQ-k3v4nc,SmolLM2-135M-arith-tq_k4v3 \
     --items /tmp/gguf/items_arith.json --out $OUT/gate_arith.json > $OUT/gate_arith.log 2>&1
-  timeout 200 python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 40 \
+  has gsm8k && timeout 200 python3 bench/compiled_vs_eager.py --kv-cache-dtypes '' --limit 40 \
     --gate-configs SmolLM2-135M-auto,SmolLM2-135M-TQ-k3v4nc,SmolLM2-135M-tq_k4v3 \
     --items /tmp/gguf/items_gsm8k.json --out $OUT/gate_gsm8k.json > $OUT/gate_gsm8k.log 2>&1
   # the compiled-engine GPU tests, the real-weight ones among them (> 200 s one worker at a time)
-  timeout $(left) python3 -m pytest -m gpu -p no:warnings -rA -n 4 tests/engine/test_compiled_gpu.py \
+  has tests && timeout $(left) python3 -m pytest -m gpu -p no:warnings -rA -n 4 tests/engine/test_compiled_gpu.py \
     > $OUT/gpu_tests_compiled.log 2>&1 ;;
 *) echo "unknown step $STEP"; exit 2 ;;
 esac

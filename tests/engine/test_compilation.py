@@ -171,6 +171,38 @@ def test_compilation_counts_after_startup(caplog):
     assert len(warnings) == 2 and "_fake_kernel" in warnings[1] and "late" in warnings[0]
 
 
+def test_another_engines_startup_is_no_stall(monkeypatch, caplog):
+    """A second engine of the process compiles its model while it starts: neither engine counts
+    or logs that as a compilation after its start-up; a compile after both started counts for
+    both."""
+    compile_ = torch.compile
+    # Dynamo traces the layers for real; the eager backend keeps it quick on the CPU
+    monkeypatch.setattr(torch, "compile",
+                        lambda fn, **kw: compile_(fn, backend="eager", dynamic=kw.get("dynamic")))
+    first = LLM("qwen3-tiny", **SMALL)
+    frames = compilation.mark()[0]
+    second = LLM("qwen3-tiny", compile_model=True, **SMALL)
+    assert compilation.mark()[0] > frames  # the second start-up compiled frames
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    with caplog.at_level(logging.WARNING, logger="tqattn.engine.compilation"):
+        for llm in (first, second):
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not [r for r in caplog.records if "after start-up" in r.getMessage()]
+    for llm in (first, second):
+        assert llm.llm_engine.compilation_counts()["total"] == 0
+        assert llm.llm_engine.num_compilations() == 0
+
+    @compile_
+    def late(x):
+        return x * 2
+
+    late(torch.ones(3))
+    for llm in (first, second):
+        counts = llm.llm_engine.compilation_counts()
+        assert counts["dynamo"] == llm.llm_engine.num_compilations() == 1
+        assert "late" in counts["dynamo_frames"][0]
+
+
 def test_triton_listener_chains_the_previous_one():
     seen = []
     listener = compilation._on_triton_compile(lambda **kw: seen.append(kw["src"]))

@@ -14,11 +14,13 @@ called only on a miss of the in-process kernel cache: a new specialization, comp
 from Triton's disk cache). Kernels of Inductor's own generated code are built inside a Dynamo
 compile and counted with it. The engine takes a :func:`mark` when start-up ends;
 :func:`since` then says what compiled during the run, and :func:`warn_new` logs each new frame
-or kernel once.
+or kernel once. What compiles while any engine of the process starts (:func:`starting_up`) is
+that engine's start-up, never another engine's stall.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -129,12 +131,31 @@ _lock = threading.Lock()
 _dynamo: list[str] = []   # compile ids, in order
 _triton: list[tuple[str, dict, bool]] = []   # (kernel name, its specialization, from the disk
                                              # cache), in order
+# per entry of _dynamo / _triton: whether an engine was starting up when it compiled
+_dynamo_startup: list[bool] = []
+_triton_startup: list[bool] = []
+_starting = 0   # engines now inside starting_up()
 _warned: set[str] = set()
+
+
+@contextlib.contextmanager
+def starting_up():
+    """An engine's start-up: what compiles inside is not counted after any engine's start-up
+    (a second engine of the process compiles its own model and kernels, no stall of the first's)."""
+    global _starting
+    with _lock:
+        _starting += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _starting -= 1
 
 
 def _on_dynamo_compile(args) -> None:
     with _lock:
         _dynamo.append(str(args.compile_id))
+        _dynamo_startup.append(_starting > 0)
 
 
 def _on_triton_compile(prev):
@@ -145,6 +166,7 @@ def _on_triton_compile(prev):
         name = f"{fn.__module__}.{fn.__name__}" if fn is not None else str(getattr(src, "name", src))
         with _lock:
             _triton.append((name, _specialization(src), bool(cache_hit)))
+            _triton_startup.append(_starting > 0)
         if prev is not None:
             prev(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                  cache_hit=cache_hit)
@@ -223,16 +245,30 @@ def _frame_names(compile_ids: list[str]) -> list[str]:
     return names
 
 
+def _after(entries: list, startup: list[bool], first: int) -> list:
+    return [e for e, s in zip(entries[first:], startup[first:]) if not s]
+
+
 def since(start: tuple[int, int]) -> dict:
-    """Compilations after ``start``: counts and what compiled."""
+    """Compilations after ``start`` outside every engine's start-up: counts and what
+    compiled."""
     with _lock:
-        dynamo, before, triton = _dynamo[start[0]:], _triton[:start[1]], _triton[start[1]:]
+        dynamo = _after(_dynamo, _dynamo_startup, start[0])
+        triton = [(i, e) for i, e in enumerate(_triton) if i >= start[1] and not _triton_startup[i]]
+        builds = list(_triton)
     kernels = []
-    for i, (name, spec, _) in enumerate(triton):
-        earlier = [s for n, s, _ in before + triton[:i] if n == name]
+    for i, (name, spec, _) in triton:
+        earlier = [s for n, s, _ in builds[:i] if n == name]
         kernels.append(f"{name} ({_differs(spec, earlier)})")
     return {"dynamo": len(dynamo), "triton": len(triton), "total": len(dynamo) + len(triton),
             "dynamo_frames": _frame_names(dynamo), "triton_kernels": kernels}
+
+
+def count_since(start: tuple[int, int]) -> int:
+    """since(start)'s total, without naming what compiled (cheap enough per step)."""
+    with _lock:
+        return (len(_after(_dynamo, _dynamo_startup, start[0]))
+                + len(_after(_triton, _triton_startup, start[1])))
 
 
 def builds_since(start: tuple[int, int]) -> dict[str, int]:

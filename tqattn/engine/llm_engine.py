@@ -331,7 +331,8 @@ class LLMEngine:
             self.workers = WorkerPool(args, self.device)
         self._finalizer = weakref.finalize(self, _stop_workers, self.workers)
         try:
-            self._start(args, t0)
+            with compilation.starting_up():
+                self._start(args, t0)
         except BaseException:
             if self.workers is not None:  # a worker may wait in a collective for this rank
                 self.workers.shutdown(graceful=False)
@@ -448,7 +449,7 @@ class LLMEngine:
 
     def num_compilations(self) -> int:
         """compilation_counts()'s total, without naming what compiled (cheap enough per step)."""
-        return sum(compilation.mark()) - sum(self._compile_mark)
+        return compilation.count_since(self._compile_mark)
 
     def _num_blocks(self, bytes_per_block: int, max_model_len: int) -> int:
         args = self.args

@@ -169,10 +169,11 @@ def _rot_chunk(rot_ptr, k0, D: tl.constexpr, BK: tl.constexpr, START: tl.constex
 def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, r_all, D: tl.constexpr,
             DP: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, START: tl.constexpr,
             COUNT: tl.constexpr, FDP: tl.constexpr, TF32X3: tl.constexpr,
-            HAS_CORR: tl.constexpr, PRELOADED: tl.constexpr):
+            HAS_CORR: tl.constexpr, PRELOADED: tl.constexpr, UNIT: tl.constexpr = True):
     """Rotated unit vectors restricted to coordinates [START, START+COUNT): [HB, FDP] fp32;
     with HAS_CORR, of x minus the vectors whose rotation is ``corr`` (outlier channels).
-    PRELOADED: ``r_all`` is the whole column block (BK = DP, loaded by the caller)."""
+    PRELOADED: ``r_all`` is the whole column block (BK = DP, loaded by the caller). UNIT=False
+    (TF32X3 only): the rotated vectors, not divided by ``den``."""
     y = tl.zeros([HB, FDP], tl.float32)
     for k0 in tl.static_range(0, DP, BK):
         kk = k0 + tl.arange(0, BK)
@@ -207,7 +208,8 @@ def _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr, r_all, D: tl.constexpr,
     if TF32X3:
         if HAS_CORR:
             y = y - corr
-        y = tl.math.div_rn(y, den[:, None])
+        if UNIT:
+            y = tl.math.div_rn(y, den[:, None])
     elif HAS_CORR:
         y = y - tl.math.div_rn(corr, den[:, None])
     return y
@@ -265,6 +267,9 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
     # one rotation chunk (decode-size steps): R's loads are issued first, with the table's, so
     # they overlap the rows' loads and reductions
     PRE: tl.constexpr = BK == DP
+    # centered on the tensor cores, one field: ‖x − μ‖ = ‖xR − μR‖ (R orthogonal) is taken
+    # after the rotation, so μ itself is neither loaded nor subtracted
+    RNORM: tl.constexpr = CENTER and TF32X3 and NOUT == 0 and not HAS_F1
     if PRE:
         r0 = _rot_chunk(rot_ptr, 0, D, BK, F0.start, F0.count, F0.gp * F0.cpw)
         if HAS_F1:
@@ -275,7 +280,8 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
         r0 = 0.0
         r1 = 0.0
     if CENTER:  # μ, and μR of each field, 0 for bad rows (whose codes the NaN norm voids)
-        mu = _head_rows(mu_ptr, hrow, D, 0, D, DP)
+        if not RNORM:
+            mu = _head_rows(mu_ptr, hrow, D, 0, D, DP)
         mur0 = _head_rows(mur_ptr, hrow, D, F0.start, F0.count, F0.gp * F0.cpw)
         if HAS_F1:
             mur1 = _head_rows(mur_ptr, hrow, D, F1.start, F1.count, F1.gp * F1.cpw)
@@ -284,7 +290,7 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
     bnd1 = _table16(tab_ptr + F1.bnd, (1 << F1.bits) - 1 if HAS_F1 else 0)
     cen1 = _table16(tab_ptr + F1.lut, (1 << F1.bits) if FOLD and HAS_F1 else 0)
     bad, x, _ = _row_stats(x_ptr, rows, ld_ok, D, DP)
-    if CENTER:
+    if CENTER and not RNORM:
         x = tl.where(bad[:, None], 0.0, x - mu)
     if NOUT > 0:
         oidx, oval = _split_outliers(x, h_ok, cache_ptr, base, off, D, DP, HB, OI_OFF, OV_OFF,
@@ -297,10 +303,18 @@ def _encode_unit(x_ptr, rows, ld_ok, h_ok, cache_ptr, base, off, rot_ptr, tab_pt
         corr0 = tl.zeros([HB, F0_DP], tl.float32)
     if CENTER:
         corr0 += tl.where(bad[:, None], 0.0, mur0)
-    nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
-    den = nrm + 1e-8
-    y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, r0, D, DP, BK, HB, F0.start,
-                F0.count, F0.gp * F0.cpw, TF32X3, NOUT > 0 or CENTER, PRE)
+    if RNORM:
+        one = tl.full([HB], 1.0, tl.float32)  # the rows' divisor, applied after the norm
+        y = _rotate(x_ptr, rows, ld_ok, bad, one, rot_ptr, corr0, r0, D, DP, BK, HB, F0.start,
+                    F0.count, F0.gp * F0.cpw, TF32X3, True, PRE, False)
+        nrm = tl.math.sqrt_rn(tl.sum(y * y, axis=1))
+        den = nrm + 1e-8
+        y = tl.math.div_rn(y, den[:, None])
+    else:
+        nrm = tl.math.sqrt_rn(tl.sum(x * x, axis=1))
+        den = nrm + 1e-8
+        y = _rotate(x_ptr, rows, ld_ok, bad, den, rot_ptr, corr0, r0, D, DP, BK, HB, F0.start,
+                    F0.count, F0.gp * F0.cpw, TF32X3, NOUT > 0 or CENTER, PRE)
     code = _bucketize(y, bnd0, F0.bits, F0.sm)
     _store_codes(code, cache_ptr, base, off, h_ok, HB, BS, F0.off, F0.bits, F0.w, F0.g, F0.gp,
                  F0.cpw, F0.cm)

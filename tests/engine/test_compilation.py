@@ -216,6 +216,24 @@ def test_triton_listener_chains_the_previous_one():
     assert seen == [src] and compilation.since(before)["triton_kernels"][-1].startswith("m.k (")
 
 
+def test_kernel_builds_name_the_argument_types_they_differ_in():
+    """A build for another pointer dtype (e.g. a float32 and a bfloat16 engine in one process)
+    says so, instead of looking like the same specialization built twice."""
+    listener = compilation._on_triton_compile(None)
+
+    def k():
+        pass
+    k.__module__, k.arg_names = "m_types", ["x_ptr", "n", "BLOCK"]
+    before = compilation.mark()
+    for x, attrs in (("*bf16", {}), ("*fp32", {}), ("*fp32", {(0,): [["tt.divisibility", 16]]})):
+        src = type("Src", (), {"fn": k, "signature": {"x_ptr": x, "n": "i32", "BLOCK": "constexpr"},
+                               "constants": {(2,): 64}, "attrs": attrs})()
+        listener(src=src, metadata={}, metadata_group={}, times=None, cache_hit=False)
+    assert compilation.since(before)["triton_kernels"] == [
+        "m_types.k (the kernel's first build)", "m_types.k (x_ptr: *bf16 -> *fp32)",
+        "m_types.k (x_ptr: *bf16/*fp32 -> *fp32 tt.divisibility=16)"]
+
+
 def test_cache_dirs(monkeypatch, tmp_path):
     monkeypatch.setenv("TQATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)

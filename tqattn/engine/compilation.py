@@ -175,19 +175,21 @@ def _on_triton_compile(prev):
 
 
 def _specialization(src) -> dict[str, str]:
-    """What a kernel build was specialized on, by argument name: scalar constexprs (an integer
-    argument equal to 1 included) and attributes such as divisibility by 16. Arguments of neither
-    kind are absent."""
+    """What a kernel build was specialized on, by argument name: the other arguments' types
+    (a pointer's dtype), scalar constexprs (an integer argument equal to 1 included) and
+    attributes such as divisibility by 16. Arguments of none of these kinds are absent."""
     names = getattr(getattr(src, "fn", None), "arg_names", None)
     if names is None:
         return {}
-    out = {}
+    out = {name: ty for name, ty in (getattr(src, "signature", None) or {}).items()
+           if ty != "constexpr"}
     for key, value in getattr(src, "constants", {}).items():
         if len(key) == 1 and isinstance(value, (bool, int, float, str, type(None))):
             out[names[key[0]]] = repr(value)
     for key, attrs in getattr(src, "attrs", {}).items():
         if len(key) == 1:
-            out[names[key[0]]] = ",".join(f"{a}={v}" for a, v in attrs)
+            name, spec = names[key[0]], ",".join(f"{a}={v}" for a, v in attrs)
+            out[name] = f"{out[name]} {spec}" if name in out else spec
     return out
 
 

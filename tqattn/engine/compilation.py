@@ -247,19 +247,21 @@ def _frame_names(compile_ids: list[str]) -> list[str]:
     return names
 
 
-def _after(entries: list, startup: list[bool], first: int) -> list:
-    return [e for e, s in zip(entries[first:], startup[first:]) if not s]
+def _after(startup: list[bool], first: int) -> list[int]:
+    """Indices from ``first`` on of the entries compiled outside every engine's start-up."""
+    return [i for i in range(first, len(startup)) if not startup[i]]
 
 
 def since(start: tuple[int, int]) -> dict:
     """Compilations after ``start`` outside every engine's start-up: counts and what
     compiled."""
     with _lock:
-        dynamo = _after(_dynamo, _dynamo_startup, start[0])
-        triton = [(i, e) for i, e in enumerate(_triton) if i >= start[1] and not _triton_startup[i]]
-        builds = list(_triton)
+        dynamo = [_dynamo[i] for i in _after(_dynamo_startup, start[0])]
+        triton = _after(_triton_startup, start[1])
+        builds = _triton[:triton[-1] + 1] if triton else []
     kernels = []
-    for i, (name, spec, _) in triton:
+    for i in triton:
+        name, spec, _ = builds[i]
         earlier = [s for n, s, _ in builds[:i] if n == name]
         kernels.append(f"{name} ({_differs(spec, earlier)})")
     return {"dynamo": len(dynamo), "triton": len(triton), "total": len(dynamo) + len(triton),
@@ -269,8 +271,8 @@ def since(start: tuple[int, int]) -> dict:
 def count_since(start: tuple[int, int]) -> int:
     """since(start)'s total, without naming what compiled (cheap enough per step)."""
     with _lock:
-        return (len(_after(_dynamo, _dynamo_startup, start[0]))
-                + len(_after(_triton, _triton_startup, start[1])))
+        return (_dynamo_startup[start[0]:].count(False)
+                + _triton_startup[start[1]:].count(False))
 
 
 def builds_since(start: tuple[int, int]) -> dict[str, int]:

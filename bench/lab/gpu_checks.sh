@@ -18,6 +18,10 @@
 #   centering_ab PATCH=bench/lab/pending/NAME.patch (a change to the centered store): its
 #            centered-store GPU tests, then bench/centering_overhead.py on main and the patched
 #            tree in turns (issue 29's cost of centering, each tree against its own uncentered store)
+#   decode_ab PATCH=bench/lab/pending/NAME.patch (a change to the tensor-core decode): its GPU
+#            kernel tests matching $TESTS (default head256), then bench/decode.py on $SHAPES
+#            (default 8/4/256,4/1/256; B = 32, 16K, FA3 bf16 in each run) on main and the patched
+#            tree in turns
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
 #            Qwen3-4B's start-up with empty, then warm caches
 #   item6    issue 24 item 6 on SmolLM2's real weights: compiled + graphs vs eager through the
@@ -27,7 +31,7 @@
 #            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf.
 #            ITEM6="decode arith gsm8k tests" (the default) picks its parts
 set -u
-STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab or item6}
+STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab or item6}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -50,7 +54,9 @@ patch_ab() {
     for tree in $R $P; do
       [ $(left) -lt $min ] && return
       local tag=$([ $tree = $R ] && echo main || echo patch)_$turn
-      PYTHONPATH=$tree:/tmp/fa3 timeout 90 python3 $tree/"$@" --out $OUT/${name}_ab_$tag.json \
+      local out="--out $OUT/${name}_ab_$tag.json"  # bench/decode.py: a folder and a tag
+      [ "$1" = bench/decode.py ] && out="--out $OUT --tag ${name}_ab_$tag"
+      PYTHONPATH=$tree:/tmp/fa3 timeout ${AB_TIMEOUT:-90} python3 $tree/"$@" $out \
         > $OUT/${name}_ab_$tag.log 2>&1
       tail -3 $OUT/${name}_ab_$tag.log
     done
@@ -86,6 +92,10 @@ store_ab)
     --heads 32/8/128 --shapes 256x1024-1280 --splits 1 ;;
 centering_ab)
   patch_ab centering "store" 100 bench/centering_overhead.py ;;
+decode_ab)
+  AB_TIMEOUT=150 patch_ab decode "${TESTS:-head256}" 100 bench/decode.py --shapes \
+    ${SHAPES:-8/4/256,4/1/256} --batches 32 --contexts 16384 --no-extra \
+    --presets turboquant_k3v4_nc,tq_k4v3 ;;
 latency)
   timeout 300 python3 bench/model_step.py --sizes 1 --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \
     --out $OUT/model_step.json > $OUT/model_step.log 2>&1

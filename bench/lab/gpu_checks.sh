@@ -18,10 +18,11 @@
 #   centering_ab PATCH=bench/lab/pending/NAME.patch (a change to the centered store): its
 #            centered-store GPU tests, then bench/centering_overhead.py on main and the patched
 #            tree in turns (issue 29's cost of centering, each tree against its own uncentered store)
-#   decode_ab PATCH=bench/lab/pending/NAME.patch (a change to the tensor-core decode): its GPU
-#            kernel tests matching $TESTS (default head256), then bench/decode.py on $SHAPES
+#   decode_ab PATCH="bench/lab/pending/NAME.patch ..." (changes to the tensor-core decode): each
+#            one's GPU kernel tests matching $TESTS (default head256; - for none), then
+#            bench/decode.py on $SHAPES
 #            (default 8/4/256,4/1/256; B = 32, 16K, FA3 bf16 in each run) on main and the patched
-#            tree in turns
+#            trees in turns
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
 #            Qwen3-4B's start-up with empty, then warm caches
 #   item6    issue 24 item 6 on SmolLM2's real weights: compiled + graphs vs eager through the
@@ -40,20 +41,27 @@ if [ -f .carry/fa3.tar.xz ]; then
 fi
 export PYTHONPATH=$R:/tmp/fa3:/tmp/smol  # /tmp/smol: the GGUF and gguf, once item6 assembled them
 mkdir -p /tmp/gguf && cp .carry/gguf/* /tmp/gguf/ 2>/dev/null
-# patch_ab NAME TESTS MIN_LEFT SCRIPT ARGS...: $PATCH applied to a copy of the tree, its GPU
-# kernel tests matching TESTS, then SCRIPT ARGS run by main and the patched tree in turns, twice
+# patch_ab NAME TESTS MIN_LEFT SCRIPT ARGS...: each patch of $PATCH (space-separated) applied
+# to its own copy of the tree, its GPU kernel tests matching TESTS ("-": none), then SCRIPT ARGS
+# run by main and each patched tree in turns, twice
 patch_ab() {
-  local name=$1 tests=$2 min=$3 P=/tmp/patched; shift 3
-  rm -rf $P && mkdir -p $P && cp -r tqattn bench tests pyproject.toml $P/
-  (cd $P && { git apply $R/${PATCH:?PATCH=bench/lab/pending/NAME.patch} 2>/dev/null \
-     || patch -p1 -s < $R/$PATCH; }) || { echo "patch failed"; exit 3; }
-  (cd $P && PYTHONPATH=$P:/tmp/fa3 timeout 200 python3 -m pytest -m gpu -p no:warnings -rA -n 8 \
-     -k "$tests" tests/kernels/test_kernels_gpu.py > $OUT/gpu_tests_${name}_patch.log 2>&1)
-  tail -2 $OUT/gpu_tests_${name}_patch.log
+  local name=$1 tests=$2 min=$3 trees=$R i=0; shift 3
+  for patch in ${PATCH:?PATCH=bench/lab/pending/NAME.patch}; do
+    i=$((i + 1)); local P=/tmp/patched$i; trees="$trees $P"
+    rm -rf $P && mkdir -p $P && cp -r tqattn bench tests pyproject.toml $P/
+    (cd $P && { git apply $R/$patch 2>/dev/null || patch -p1 -s < $R/$patch; }) \
+      || { echo "patch failed: $patch"; exit 3; }
+    echo "patch$i: $patch" | tee -a $OUT/${name}_ab_trees.txt
+    [ "$tests" = - ] && continue
+    (cd $P && PYTHONPATH=$P:/tmp/fa3 timeout 200 python3 -m pytest -m gpu -p no:warnings -rA -n 8 \
+       -k "$tests" tests/kernels/test_kernels_gpu.py > $OUT/gpu_tests_${name}_patch$i.log 2>&1)
+    tail -2 $OUT/gpu_tests_${name}_patch$i.log
+  done
   for turn in 1 2; do
-    for tree in $R $P; do
+    i=0
+    for tree in $trees; do
       [ $(left) -lt $min ] && return
-      local tag=$([ $tree = $R ] && echo main || echo patch)_$turn
+      local tag=$([ $tree = $R ] && echo main || echo patch$i)_$turn; i=$((i + 1))
       local out="--out $OUT/${name}_ab_$tag.json"  # bench/decode.py: a folder and a tag
       [ "$1" = bench/decode.py ] && out="--out $OUT --tag ${name}_ab_$tag"
       PYTHONPATH=$tree:/tmp/fa3 timeout ${AB_TIMEOUT:-90} python3 $tree/"$@" $out \

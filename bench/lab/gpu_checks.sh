@@ -101,7 +101,7 @@ store_ab)
 centering_ab)
   patch_ab centering "store" 100 bench/centering_overhead.py ;;
 decode_ab)
-  AB_TIMEOUT=150 patch_ab decode "${TESTS:-head256}" 100 bench/decode.py --shapes \
+  AB_TIMEOUT=150 patch_ab decode "${TESTS:-head256}" ${AB_MIN:-100} bench/decode.py --shapes \
     ${SHAPES:-8/4/256,4/1/256} --batches 32 --contexts 16384 --no-extra \
     --presets turboquant_k3v4_nc,tq_k4v3 ;;
 latency)

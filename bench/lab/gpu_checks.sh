@@ -20,9 +20,8 @@
 #            tree in turns (issue 29's cost of centering, each tree against its own uncentered store)
 #   decode_ab PATCH="bench/lab/pending/NAME.patch ..." (changes to the tensor-core decode): each
 #            one's GPU kernel tests matching $TESTS (default head256; - for none), then
-#            bench/decode.py on $SHAPES
-#            (default 8/4/256,4/1/256; B = 32, 16K, FA3 bf16 in each run) on main and the patched
-#            trees in turns
+#            bench/decode.py on $SHAPES (default 8/4/256,4/1/256; B = 32, 16K, FA3 bf16 in each
+#            run) on main and the patched trees in turns; AB_MIN: the seconds a run needs left
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
 #            Qwen3-4B's start-up with empty, then warm caches
 #   item6    issue 24 item 6 on SmolLM2's real weights: compiled + graphs vs eager through the

@@ -6,6 +6,11 @@ operand permutes; its operand must hold the codes of coordinates 128h + (the hea
 The query's transform of length 256 ([H(a + b); H(a − b)]) and the output's un-rotation from
 the halves' accumulators must be the codec's. The kernel itself runs on the GPU only."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -165,3 +170,32 @@ def test_head256_formats():
         mma = _spec.kernel_spec(TQCodec(preset, D), 16).mma
         assert mma and (mma.keys, mma.vals) == fmt and not mma.store, preset
     assert not _spec.kernel_spec(TQCodec("turboquant_k8v4", D), 16).mma
+
+
+
+_COMPILE = """
+import json, sys
+from bench.sass_stats import compile_decode
+kernel, _ = compile_decode(sys.argv[1], 256, 2)
+print(json.dumps({"copies": "cp.async.commit_group" in kernel.asm["ptx"],
+                  "shared": kernel.metadata.shared}))
+"""
+
+
+@pytest.mark.parametrize("preset,copies", [("turboquant_k3v4_nc", True), ("tq_k4v3", False)])
+def test_head256_async_copies(preset, copies):
+    """The head-256 build the product launches, compiled for sm_90 on CPU (in a process without
+    the interpreter): in turboquant_k3v4_nc's format the tiles' words travel by cp.async into
+    one 256-byte shared slot per word (_key_slots + _value_slots of them), in the other formats
+    they load into registers."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _COMPILE, preset], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    slots = decode_mma._key_slots(0, 0, D) + decode_mma._value_slots(0, D)
+    assert got["copies"] == copies
+    assert (got["shared"] >= 256 * slots) == copies, got

@@ -73,11 +73,14 @@ Head size 256: two 128-coordinate halves, each loaded and decoded as a head-128 
 second half's offset and twice the strides — scores K_a·Q_a + K_b·Q_b, two accumulators
 [128, 8], the query's transform as [H(a + b); H(a − b)] — and each tile loads its own key and
 value words together (the halves' words do not fit the registers a tile ahead;
-:func:`_loop256`); no fused store.
+:func:`_loop256`), except in ``turboquant_k3v4_nc``'s format, where the next tile's words
+travel asynchronously into shared memory while a tile is computed (:func:`_loop256_copies`,
+:func:`_word`); no fused store.
 Replayed on CPU in tests/kernels/test_mma_head256.py.
 
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
-programs that the compiled kernel's registers let an SM hold (programs_per_sm). Each split
+programs that the compiled kernel's registers (and shared memory) let an SM hold
+(programs_per_sm). Each split
 takes a fixed range of tiles; the older of the two programs on an SM scheduler runs much
 faster than the younger, so programs take their (group, split) by arrival, the older ones
 first, and an older program's range is SPLIT_WEIGHTS times a younger one's. The words of the
@@ -89,9 +92,10 @@ bench/results/README.md.
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from . import _asm
 # the asm texts by name: Triton's cache key hashes the global constexprs a kernel names, not
@@ -118,6 +122,8 @@ _QL64 = gl.constexpr(gl.BlockedLayout([16, 1], [4, 8], [1, 1], [0, 1]))  # [64, 
 _MS64 = gl.constexpr(gl.BlockedLayout([1, 1, 2], [1, 1, 32], [1, 1, 1], [2, 1, 0]))
 _MS256 = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 1, 32], [1, 1, 1], [2, 1, 0]))
 _ROWS = gl.constexpr(gl.SliceLayout(1, _MMA.value))
+# a [32] int64 slot in shared memory, lane l's word at l: 256 conflict-free bytes
+_SLOTS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 _HEADS = gl.constexpr(gl.SliceLayout(0, _MMA.value))
 
 
@@ -852,12 +858,33 @@ def _odd_half(x, odd):
 
 
 @gluon.jit
-def _load16(p):
-    """16 bytes at p (int64 pointers, 16-byte aligned) per lane as two int64 [32] words."""
-    pp = gl.convert_layout(p, gl.SliceLayout(1, _PAIR))[:, None] + \
-        gl.arange(0, 2, layout=gl.SliceLayout(0, _PAIR))[None, :]
-    lo, hi = gl.split(gl.load(pp))
-    return gl.convert_layout(lo, _LANE), gl.convert_layout(hi, _LANE)
+def _load16(p, buf=None, S: gl.constexpr = 0, MODE: gl.constexpr = 0):
+    """16 bytes at p (int64 pointers, 16-byte aligned) per lane as two int64 [32] words
+    (MODE 1, 2: :func:`_word` of slots S, S + 1)."""
+    if MODE == 0:
+        pp = gl.convert_layout(p, gl.SliceLayout(1, _PAIR))[:, None] + \
+            gl.arange(0, 2, layout=gl.SliceLayout(0, _PAIR))[None, :]
+        lo, hi = gl.split(gl.load(pp))
+        lo = gl.convert_layout(lo, _LANE)
+        hi = gl.convert_layout(hi, _LANE)
+    else:
+        lo = _word(p, buf, S, MODE)
+        hi = _word(p + 1, buf, S + 1, MODE)
+    return lo, hi
+
+
+@gluon.jit
+def _word(p, buf, S: gl.constexpr, MODE: gl.constexpr):
+    """The lane's int64 word at p: loaded (MODE 0), copied asynchronously into slot S of buf
+    (a tuple of [32] shared allocations; MODE 1, returns p), or read back from it (MODE 2)."""
+    if MODE == 0:
+        w = gl.load(p)
+    elif MODE == 1:
+        async_copy.async_copy_global_to_shared(buf[S], p)
+        w = p
+    else:
+        w = buf[S].load(_LANE)
+    return w
 
 
 @gluon.jit
@@ -874,50 +901,63 @@ def _pages(t, seq_len, bt_row, lane, BS: gl.constexpr, MAP: gl.constexpr):
 
 
 @gluon.jit
-def _scalars16(t, pages, page0, lane, sc_b, BS: gl.constexpr, OFF: gl.constexpr):
+def _scalars16(t, pages, page0, lane, sc_b, BS: gl.constexpr, OFF: gl.constexpr, buf=None,
+               S: gl.constexpr = 0, MODE: gl.constexpr = 0):
     """MAP 1: the 4 int64 words of the fp16 scalars (plane OFF) of the key rows' tokens
-    16(g // 2) + 0..15 (in the key row's page)."""
+    16(g // 2) + 0..15 (in the key row's page). buf, S, MODE: :func:`_word` (slots S..S + 3)."""
     tg = t * TILE + 16 * (lane // 8)
     sp = (page0 + pages[0].to(gl.int64) * sc_b + OFF + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
-    n0, n1 = _load16(sp)
-    n2, n3 = _load16(sp + 2)
+    n0, n1 = _load16(sp, buf, S, MODE)
+    n2, n3 = _load16(sp + 2, buf, S + 2, MODE)
     return (n0, n1, n2, n3)
 
 
 @gluon.jit
 def _load_keys(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
-               KN_OFF: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
+               KN_OFF: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr, buf=None,
+               S: gl.constexpr = 0, MODE: gl.constexpr = 0, NORMS: gl.constexpr = True):
     """The lane's key words of tile t (pages: :func:`_pages` of t): the three sub-plane words
     of code words t, t + 4, .. (12 at head size 128 and per half of 256 (K_OFF: the half's
     first word), 6 at 64) of its tokens 8g.. and the words of its fp16 key norms — of those 8
     tokens (MAP 0: 2 words) or of tokens 16(g // 2) + 0..15 (MAP 1: 4 words;
-    :func:`_key_rows` trades the code words' tokens)."""
+    :func:`_key_rows` trades the code words' tokens). buf, S, MODE: :func:`_word` (the code
+    words in slots S.., then the norms'); NORMS False: no norms (kn: the first code word)."""
     tg = t * TILE + 8 * (lane // 4)
     pg = page0 + pages[0].to(gl.int64) * sc_b
     kb = (pg + K_OFF + (lane % 4) * BS + (tg % BS)).to(gl.pointer_type(gl.int64))
     SP: gl.constexpr = D // 64 * BS  # int64 words from one sub-plane to the next
-    kw = (gl.load(kb), gl.load(kb + SP), gl.load(kb + 2 * SP),
-          gl.load(kb + BS // 2), gl.load(kb + BS // 2 + SP), gl.load(kb + BS // 2 + 2 * SP))
+    kw = (_word(kb, buf, S, MODE), _word(kb + SP, buf, S + 1, MODE),
+          _word(kb + 2 * SP, buf, S + 2, MODE), _word(kb + BS // 2, buf, S + 3, MODE),
+          _word(kb + BS // 2 + SP, buf, S + 4, MODE),
+          _word(kb + BS // 2 + 2 * SP, buf, S + 5, MODE))
     if D != 64:
-        kw = kw + (gl.load(kb + BS), gl.load(kb + BS + SP), gl.load(kb + BS + 2 * SP),
-                   gl.load(kb + 3 * BS // 2), gl.load(kb + 3 * BS // 2 + SP),
-                   gl.load(kb + 3 * BS // 2 + 2 * SP))
-    if MAP == 1:
-        kn = _scalars16(t, pages, page0, lane, sc_b, BS, KN_OFF)
+        kw = kw + (_word(kb + BS, buf, S + 6, MODE), _word(kb + BS + SP, buf, S + 7, MODE),
+                   _word(kb + BS + 2 * SP, buf, S + 8, MODE),
+                   _word(kb + 3 * BS // 2, buf, S + 9, MODE),
+                   _word(kb + 3 * BS // 2 + SP, buf, S + 10, MODE),
+                   _word(kb + 3 * BS // 2 + 2 * SP, buf, S + 11, MODE))
+    N: gl.constexpr = 6 if D == 64 else 12
+    if not NORMS:
+        kn = kw[0]
+    elif MAP == 1:
+        kn = _scalars16(t, pages, page0, lane, sc_b, BS, KN_OFF, buf, S + N, MODE)
     else:
         # the lane's 8 scalars of a role are 16 contiguous bytes (offsets are multiples of 16)
         sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
-        kn = _load16(sp + KN_OFF // 8)
+        kn = _load16(sp + KN_OFF // 8, buf, S + N, MODE)
     return kw, kn
 
 
 @gluon.jit
 def _load_values(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
-                 VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, D: gl.constexpr):
+                 VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, D: gl.constexpr, buf=None,
+                 S: gl.constexpr = 0, MODE: gl.constexpr = 0, SC: gl.constexpr = 2):
     """The lane's value words of tile t: row bytes 8g.. (4g.. at head size 64; of the half at
     V_OFF at 256) of its 16 tokens 16t.. (16 words, token j's and j + 8's in words 2j, 2j + 1:
     int64, int32 at 64), and 2 words each of the fp16 scales and zero points of its score rows
-    (tokens 8g.., in the key row's page)."""
+    (tokens 8g.., in the key row's page). buf, S, MODE: :func:`_word` (the row words in slots
+    S.., then the scalars'); SC: scalars loaded — 2 both, 1 the scales (returned twice), 0
+    none (the first row word instead)."""
     tg = t * TILE + 8 * (lane // 4)
     tt = t * TILE + 16 * (lane % 4)
     pg = page0 + pages[0].to(gl.int64) * sc_b
@@ -927,23 +967,37 @@ def _load_values(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.conste
     else:
         vb = (pv + V_OFF + 32 * (tt % BS) + 4 * (lane // 4)).to(gl.pointer_type(gl.int32))
     TS: gl.constexpr = 8 if D == 64 else D // 16  # words from one token's row to the next
-    vw = (gl.load(vb), gl.load(vb + 8 * TS), gl.load(vb + TS), gl.load(vb + 9 * TS),
-          gl.load(vb + 2 * TS), gl.load(vb + 10 * TS), gl.load(vb + 3 * TS),
-          gl.load(vb + 11 * TS), gl.load(vb + 4 * TS), gl.load(vb + 12 * TS),
-          gl.load(vb + 5 * TS), gl.load(vb + 13 * TS), gl.load(vb + 6 * TS),
-          gl.load(vb + 14 * TS), gl.load(vb + 7 * TS), gl.load(vb + 15 * TS))
+    vw = (_word(vb, buf, S, MODE), _word(vb + 8 * TS, buf, S + 1, MODE),
+          _word(vb + TS, buf, S + 2, MODE), _word(vb + 9 * TS, buf, S + 3, MODE),
+          _word(vb + 2 * TS, buf, S + 4, MODE), _word(vb + 10 * TS, buf, S + 5, MODE),
+          _word(vb + 3 * TS, buf, S + 6, MODE), _word(vb + 11 * TS, buf, S + 7, MODE),
+          _word(vb + 4 * TS, buf, S + 8, MODE), _word(vb + 12 * TS, buf, S + 9, MODE),
+          _word(vb + 5 * TS, buf, S + 10, MODE), _word(vb + 13 * TS, buf, S + 11, MODE),
+          _word(vb + 6 * TS, buf, S + 12, MODE), _word(vb + 14 * TS, buf, S + 13, MODE),
+          _word(vb + 7 * TS, buf, S + 14, MODE), _word(vb + 15 * TS, buf, S + 15, MODE))
     sp = (pg + 2 * (tg % BS)).to(gl.pointer_type(gl.int64))
-    return vw, _load16(sp + VS_OFF // 8), _load16(sp + VZ_OFF // 8)
+    if SC == 0:
+        vs = (vw[0], vw[0])
+        vz = vs
+    else:
+        vs = _load16(sp + VS_OFF // 8, buf, S + 16, MODE)
+        if SC == 2:
+            vz = _load16(sp + VZ_OFF // 8, buf, S + 18, MODE)
+        else:
+            vz = vs
+    return vw, vs, vz
 
 
 @gluon.jit
 def _load_keys4(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
-                KN_OFF: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
+                KN_OFF: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr, buf=None,
+                S: gl.constexpr = 0, MODE: gl.constexpr = 0, NORMS: gl.constexpr = True):
     """4-bit row keys: the lane's row bytes of its 8 tokens — at head size 128 bytes 16t..
     (16 int64: token j's in words 2j, 2j + 1), at 64 bytes 8t.. (8 int64: token j's in word
     j) — and the words of their fp16 key norms. MAP 1: tokens 16(g // 2) + g % 2 + 2j, the 4
     norm words of tokens 16(g // 2) + 0..15; MAP 0 (the order 4-bit uniform values fix):
-    tokens 8g + j, the 2 norm words of those 8 tokens."""
+    tokens 8g + j, the 2 norm words of those 8 tokens. buf, S, MODE, NORMS: as
+    :func:`_load_keys`'s (head size 128 and 256 only for MODE 1, 2)."""
     ROW: gl.constexpr = D // 16          # int64 words per token row
     step: gl.constexpr = ROW * (1 + MAP)  # int64 words from token j to j + 1: one or two rows
     if MAP == 0:
@@ -956,23 +1010,26 @@ def _load_keys4(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constex
     HD: gl.constexpr = 128 if D > 128 else D  # the operand's columns (256: the half at K_OFF)
     kb = (pg + K_OFF + first * (D // 2) + (HD // 8) * (lane % 4)).to(gl.pointer_type(gl.int64))
     if D != 64:
-        a0, a1 = _load16(kb)
-        b0, b1 = _load16(kb + step)
-        c0, c1 = _load16(kb + 2 * step)
-        d0, d1 = _load16(kb + 3 * step)
-        e0, e1 = _load16(kb + 4 * step)
-        f0, f1 = _load16(kb + 5 * step)
-        g0, g1 = _load16(kb + 6 * step)
-        h0, h1 = _load16(kb + 7 * step)
+        a0, a1 = _load16(kb, buf, S, MODE)
+        b0, b1 = _load16(kb + step, buf, S + 2, MODE)
+        c0, c1 = _load16(kb + 2 * step, buf, S + 4, MODE)
+        d0, d1 = _load16(kb + 3 * step, buf, S + 6, MODE)
+        e0, e1 = _load16(kb + 4 * step, buf, S + 8, MODE)
+        f0, f1 = _load16(kb + 5 * step, buf, S + 10, MODE)
+        g0, g1 = _load16(kb + 6 * step, buf, S + 12, MODE)
+        h0, h1 = _load16(kb + 7 * step, buf, S + 14, MODE)
         kw = (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1, g0, g1, h0, h1)
     else:
         kw = (gl.load(kb), gl.load(kb + step), gl.load(kb + 2 * step), gl.load(kb + 3 * step),
               gl.load(kb + 4 * step), gl.load(kb + 5 * step), gl.load(kb + 6 * step),
               gl.load(kb + 7 * step))
-    if MAP == 0:
-        kn = _load16((pg + KN_OFF + 2 * (tg % BS)).to(gl.pointer_type(gl.int64)))
+    if not NORMS:
+        kn = kw[0]
+    elif MAP == 0:
+        kn = _load16((pg + KN_OFF + 2 * (tg % BS)).to(gl.pointer_type(gl.int64)), buf, S + 16,
+                     MODE)
     else:
-        kn = _scalars16(t, pages, page0, lane, sc_b, BS, KN_OFF)
+        kn = _scalars16(t, pages, page0, lane, sc_b, BS, KN_OFF, buf, S + 16, MODE)
     return kw, kn
 
 
@@ -1006,44 +1063,67 @@ def _load_keys8(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constex
 
 @gluon.jit
 def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
-                  D: gl.constexpr):
+                  D: gl.constexpr, buf=None, S: gl.constexpr = 0, MODE: gl.constexpr = 0):
     """3-bit column-major values (MAP 1): sub-plane s of code words 2g + w (at (16s + 2g + w)·BS
     in the plane; head size 64: of code word g, at (8s + g)·BS) for the lane's 16 tokens 16t..
-    (12 int64, 6 at 64: word 6w + 2s + u holds tokens 16t + 8u + 0..7)."""
+    (12 int64, 6 at 64: word 6w + 2s + u holds tokens 16t + 8u + 0..7). buf, S, MODE:
+    :func:`_word` (slots S..)."""
     tt = t * TILE + 16 * (lane % 4)
     pv = page0 + pages[1].to(gl.int64) * sc_b
     SP: gl.constexpr = D // 64 * BS  # int64 words from one sub-plane to the next
     W: gl.constexpr = 2 if D > 128 else D // 64  # code words per lane (256: of the half at V_OFF)
     vb = (pv + V_OFF + (tt % BS) + W * (lane // 4) * BS).to(gl.pointer_type(gl.int64))
-    a0, a1 = _load16(vb)
-    b0, b1 = _load16(vb + SP)
-    c0, c1 = _load16(vb + 2 * SP)
+    a0, a1 = _load16(vb, buf, S, MODE)
+    b0, b1 = _load16(vb + SP, buf, S + 2, MODE)
+    c0, c1 = _load16(vb + 2 * SP, buf, S + 4, MODE)
     if D != 64:
-        d0, d1 = _load16(vb + BS // 8)
-        e0, e1 = _load16(vb + BS // 8 + SP)
-        f0, f1 = _load16(vb + BS // 8 + 2 * SP)
+        d0, d1 = _load16(vb + BS // 8, buf, S + 6, MODE)
+        e0, e1 = _load16(vb + BS // 8 + SP, buf, S + 8, MODE)
+        f0, f1 = _load16(vb + BS // 8 + 2 * SP, buf, S + 10, MODE)
         vw = (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1)
     else:
         vw = (a0, a1, b0, b1, c0, c1)
     return vw
 
 
+@triton.constexpr_function
+def _key_slots(KEYS, MAP, D):
+    """Shared word slots of a tile's key words and norms (:func:`_load_k`; head size 128, 256)."""
+    return (D // 128) * (12 if KEYS == 0 else 16) + (2 if MAP == 0 else 4)
+
+
+@triton.constexpr_function
+def _value_slots(VALS, D):
+    """Shared word slots of a tile's value words and scalars (:func:`_load_v`; head size 128,
+    256: the second half's words after the first's and the scalars)."""
+    return {0: 20, 1: 16, 2: 20, 3: 18}[VALS] + (D == 256) * (16 if VALS in (0, 3) else 12)
+
+
 @gluon.jit
 def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
-            KN_OFF: gl.constexpr, KEYS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr):
+            KN_OFF: gl.constexpr, KEYS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr,
+            buf=None, S: gl.constexpr = 0, MODE: gl.constexpr = 0):
+    """Key words and norms of tile t. buf, S, MODE (head size 128, 256; not fp8 keys):
+    :func:`_word`, in slots S..S + _key_slots(KEYS, MAP, D) - 1."""
     if D == 256:  # the halves' words, the first half's first (K_OFF + KH: the second's)
         KH: gl.constexpr = 16 * BS if KEYS == 0 else 64
+        S2: gl.constexpr = S + _key_slots(KEYS, MAP, D) - (12 if KEYS == 0 else 16)
         if KEYS == 0:
-            kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
-            kw2, kn2 = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF + KH, KN_OFF, MAP, D)
+            kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D, buf, S,
+                                MODE)
+            kw2, _ = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF + KH, KN_OFF, MAP, D,
+                                buf, S2, MODE, False)
         else:
-            kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
-            kw2, kn2 = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF + KH, KN_OFF, MAP, D)
+            kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D, buf, S,
+                                 MODE)
+            kw2, _ = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF + KH, KN_OFF, MAP, D,
+                                 buf, S2, MODE, False)
         kw = kw + kw2
     elif KEYS == 0:
-        kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
+        kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D, buf, S, MODE)
     elif KEYS == 1:
-        kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
+        kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D, buf, S,
+                             MODE)
     else:
         kw, kn = _load_keys8(t, pages, page0, lane, sc_b, BS, K_OFF)
     return kw, kn
@@ -1051,27 +1131,33 @@ def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
 
 @gluon.jit
 def _load_v(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
-            VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, VALS: gl.constexpr, D: gl.constexpr):
+            VS_OFF: gl.constexpr, VZ_OFF: gl.constexpr, VALS: gl.constexpr, D: gl.constexpr,
+            buf=None, S: gl.constexpr = 0, MODE: gl.constexpr = 0):
     """Value words and their scalars: (scales, zero points) for uniform values (VALS 0, 2),
     (norms, norms) for rotated ones (VALS 1, 3; VS_OFF: the norms' plane, VZ_OFF unused). At
-    D = 256 the two halves' words, the first half's first."""
+    D = 256 the two halves' words, the first half's first. buf, S, MODE (head size 256):
+    :func:`_word`, in slots S..S + _value_slots(VALS, D) - 1 (head size 128, 256)."""
     if VALS == 0:
-        vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, D)
+        vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, D,
+                                  buf, S, MODE)
     elif VALS == 3:
-        vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VS_OFF, D)
+        vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VS_OFF, D,
+                                  buf, S, MODE, 1)
     else:
-        vw = _load_values3(t, pages, page0, lane, sc_b, BS, V_OFF, D)
-        vs = _scalars16(t, pages, page0, lane, sc_b, BS, VS_OFF)
+        vw = _load_values3(t, pages, page0, lane, sc_b, BS, V_OFF, D, buf, S, MODE)
+        vs = _scalars16(t, pages, page0, lane, sc_b, BS, VS_OFF, buf, S + 12, MODE)
         if VALS == 2:
-            vz = _scalars16(t, pages, page0, lane, sc_b, BS, VZ_OFF)
+            vz = _scalars16(t, pages, page0, lane, sc_b, BS, VZ_OFF, buf, S + 16, MODE)
         else:
             vz = vs
     if D == 256:  # the second half: 64 row bytes on (VALS 0, 3) or 16 code words on (1, 2)
+        S2: gl.constexpr = S + _value_slots(VALS, D) - (16 if (VALS == 0 or VALS == 3) else 12)
         if VALS == 0 or VALS == 3:
             vw2, _, _ = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF + 64, VS_OFF,
-                                     VS_OFF, D)
+                                     VS_OFF, D, buf, S2, MODE, 0)
         else:
-            vw2 = _load_values3(t, pages, page0, lane, sc_b, BS, V_OFF + 16 * BS, D)
+            vw2 = _load_values3(t, pages, page0, lane, sc_b, BS, V_OFF + 16 * BS, D, buf, S2,
+                                MODE)
         vw = vw + vw2
     return vw, vs, vz
 
@@ -1332,6 +1418,72 @@ def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab
     return m_i, l_p, z_p, acc
 
 
+@gluon.jit
+def _loop256_copies(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab, tabv,
+                    tau, page0, lane, sc_b, sc_h, BS: gl.constexpr, K_OFF: gl.constexpr,
+                    KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
+                    VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr,
+                    MAP: gl.constexpr, KSM: gl.constexpr):
+    """:func:`_loop256` with the next tile's words in flight without registers: they travel
+    asynchronously (``cp.async``) into shared memory, each lane its own words, one slot per
+    word, while a tile is computed, after an L2 prefetch of that tile's blocks (KEYS = VALS = 0
+    only, ASYNC_256)."""
+    qb = _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS, 256)
+    m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
+    l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
+    z_p = l_p
+    acc = (gl.zeros([128, 8], gl.float32, layout=_MMA), gl.zeros([128, 8], gl.float32, layout=_MMA))
+    NK: gl.constexpr = _key_slots(KEYS, MAP, 256)
+    # one allocation per slot: copies into distinct allocations need no barrier between them
+    buf = ()
+    for i in gl.static_range(NK + _value_slots(VALS, 256)):
+        buf = buf + (gl.allocate_shared_memory(gl.int64, [32], _SLOTS),)
+    pages = _pages(t0, seq_len, bt_row, lane, BS, MAP)
+    pf = _l2_page(t0, t1, seq_len, bt_row, lane, BS)
+    if t0 < t1:  # no copies left in flight past the loop
+        _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, 256)
+        _load_k(t0, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, 256, buf, 0, 1)
+        async_copy.commit_group()
+        _load_v(t0, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS, 256, buf, NK, 1)
+        async_copy.commit_group()
+    pages = _pages(t0 + 1, seq_len, bt_row, lane, BS, MAP)
+    pf = _l2_page(t0 + 1, t1, seq_len, bt_row, lane, BS)
+    # each role's copies of tile t + 1 start once tile t's words of that role are read: one
+    # group per role and tile, so waiting for all but the newest group waits for the role due
+    for t in range(t0, t1):
+        more = t + 1 < t1
+        async_copy.wait_group(1)
+        kw, skn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, 256, buf,
+                          0, 2)
+        # every tile masked: a compare per row, and the last, partial tile needs no own code
+        s = _scores(kw, skn, t, seq_len, qb, tab, tau, True, KEYS, MAP, 256, KSM)
+        if more:
+            _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, 256)
+            _load_k(t + 1, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, 256, buf, 0,
+                    1)
+        async_copy.commit_group()
+        async_copy.wait_group(1)
+        vw, svs, svz = _load_v(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS,
+                               256, buf, NK, 2)
+        m_i, l_p, z_p, acc = _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv,
+                                     True, VALS, MAP, 256)
+        if more:
+            _load_v(t + 1, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS, 256, buf,
+                    NK, 1)
+        async_copy.commit_group()
+        pages = _pages(t + 2, seq_len, bt_row, lane, BS, MAP)
+        pf = _l2_page(t + 2, t1, seq_len, bt_row, lane, BS)
+    return m_i, l_p, z_p, acc
+
+
+@triton.constexpr_function
+def _async_256(KEYS, VALS):
+    """Whether head size 256 copies its words asynchronously (:func:`_loop256_copies`): for
+    ``turboquant_k3v4_nc``'s format only — 4-6 % faster on an H100, while ``tq_k4v3``'s took
+    5-17 % longer (bench/results/decode256_async_copy_h100_s38.md)."""
+    return KEYS == 0 and VALS == 0
+
+
 # tiles ahead of the loop whose blocks are prefetched into L2, per head size (more bytes in
 # flight than the registers hold; further ahead the prefetched blocks crowd the L2)
 L2_AHEAD_64 = gl.constexpr(2)
@@ -1412,7 +1564,14 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     else:
         tau = 16 * ((rho % 8) // 2) + 2 * (rho // 8) + rho % 2
 
-    if D == 256:
+    if D == 256 and _async_256(KEYS, VALS):
+        hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
+        q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
+        m_i, l_p, z_p, acc = _loop256_copies(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, t0, t1,
+                                             seq_len, bt_row, tab, tabv, tau, page0, lane, sc_b,
+                                             sc_h, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
+                                             VALS, MAP, KSM)
+    elif D == 256:
         hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
         q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
         m_i, l_p, z_p, acc = _loop256(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, t0, t1, seq_len,
@@ -1583,8 +1742,9 @@ _RESIDENT: dict = {}
 
 def programs_per_sm(spec, q, kv_cache, block_table, seq_lens, group: int,
                     new_kv: tuple | None = None) -> int:
-    """One-warp programs an SM holds at once, from the register count of the kernel build that
-    :func:`launch` runs for these arguments (the split count fills one wave of them)."""
+    """One-warp programs an SM holds at once, from the register count and shared memory of the
+    kernel build that :func:`launch` runs for these arguments (the split count fills one wave
+    of them)."""
     key = (id(spec), group, kv_cache.shape[1], q.dtype, str(q.device), new_kv is not None)
     # (the spec fixes the key and value formats)
     if key not in _RESIDENT:
@@ -1597,11 +1757,16 @@ def programs_per_sm(spec, q, kv_cache, block_table, seq_lens, group: int,
         try:
             kernel._init_handles()  # loads the binary; sets n_regs (triton 3.6)
             regs = -(-int(kernel.n_regs) // 8) * 8
+            shared = int(kernel.metadata.shared)
         except (AttributeError, TypeError):  # another triton: the register cap
-            regs = MAXNREG
+            regs, shared = MAXNREG, 0
         # an SM's 64K registers are four 16K banks, one per scheduler, each holding whole
         # warps: 144-168 registers fit 3 one-warp programs per bank, not 65536 / (32·regs)
-        _RESIDENT[key] = 4 * max(1, min(16, 16384 // (32 * regs)))
+        n = 4 * max(1, min(16, 16384 // (32 * regs)))
+        if shared and q.is_cuda:  # each program's shared memory plus the 1 KB a block reserves
+            per_sm = torch.cuda.get_device_properties(q.device).shared_memory_per_multiprocessor
+            n = max(1, min(n, per_sm // (shared + 1024)))
+        _RESIDENT[key] = n
     return _RESIDENT[key]
 
 

@@ -210,3 +210,16 @@ def test_fp8_key_tensor_core_path_needs_sm89(monkeypatch):
                       ((9, 0), {"turboquant_k8v4": True, "tq_k4v3": True})):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, cap=cap: cap)
         assert {n: step.tensor_core_decode(s, q, 1, True) for n, s in specs.items()} == want, cap
+
+
+def test_resident_programs():
+    """One-warp programs per SM: whole warps per 16K-register bank (4 banks), capped by shared
+    memory where a program uses it (1 KB reserved per block)."""
+    from tqattn.kernels.decode_mma import resident_programs
+    assert resident_programs(256) == 8 and resident_programs(232) == 8
+    assert resident_programs(168) == 12 and resident_programs(128) == 16
+    assert resident_programs(64) == 32 and resident_programs(512) == 4
+    # the head-256 copies (15.5 KB) fit 8 programs in an H100's 228 KB; 40 KB each fit 5
+    assert resident_programs(216, 15872, 233472) == 8
+    assert resident_programs(216, 40960, 233472) == 5
+    assert resident_programs(168, 40960, 0) == 12          # the SM's shared memory unknown

@@ -1760,14 +1760,21 @@ def programs_per_sm(spec, q, kv_cache, block_table, seq_lens, group: int,
             shared = int(kernel.metadata.shared)
         except (AttributeError, TypeError):  # another triton: the register cap
             regs, shared = MAXNREG, 0
-        # an SM's 64K registers are four 16K banks, one per scheduler, each holding whole
-        # warps: 144-168 registers fit 3 one-warp programs per bank, not 65536 / (32·regs)
-        n = 4 * max(1, min(16, 16384 // (32 * regs)))
-        if shared and q.is_cuda:  # each program's shared memory plus the 1 KB a block reserves
-            per_sm = torch.cuda.get_device_properties(q.device).shared_memory_per_multiprocessor
-            n = max(1, min(n, per_sm // (shared + 1024)))
-        _RESIDENT[key] = n
+        per_sm = getattr(torch.cuda.get_device_properties(q.device),
+                         "shared_memory_per_multiprocessor", 0) if q.is_cuda else 0
+        _RESIDENT[key] = resident_programs(regs, shared, per_sm)
     return _RESIDENT[key]
+
+
+def resident_programs(regs: int, shared: int = 0, shared_per_sm: int = 0) -> int:
+    """One-warp programs an SM holds at once with regs registers (a multiple of 8) and shared
+    bytes of shared memory each (shared_per_sm: the SM's; 0: not limiting)."""
+    # an SM's 64K registers are four 16K banks, one per scheduler, each holding whole warps:
+    # 144-168 registers fit 3 one-warp programs per bank, not 65536 / (32·regs)
+    n = 4 * max(1, min(16, 16384 // (32 * regs)))
+    if shared and shared_per_sm:  # each program's shared memory plus the 1 KB a block reserves
+        n = max(1, min(n, shared_per_sm // (shared + 1024)))
+    return n
 
 
 def num_splits(resident: int, groups: int, head_size: int) -> int:

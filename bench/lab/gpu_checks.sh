@@ -22,6 +22,10 @@
 #            one's GPU kernel tests matching $TESTS (default head256; - for none), then
 #            bench/decode.py on $SHAPES (default 8/4/256,4/1/256; B = 32, 16K, FA3 bf16 in each
 #            run) on main and the patched trees in turns; AB_MIN: the seconds a run needs left
+#   ncu_ab   PATCH=bench/lab/pending/NAME.patch (a tensor-core decode change): Nsight Compute of
+#            $PRESET (default tq_k4v3) at $SHAPE (default 4/1/256), B = 32, 16K, on main and
+#            the patched tree: details (speed of light, warp states, instruction stats) and the
+#            per-SASS-line stall samples (--page source), CSV
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
 #            Qwen3-4B's start-up with empty, then warm caches
 #   item6    issue 24 item 6 on SmolLM2's real weights: compiled + graphs vs eager through the
@@ -31,7 +35,7 @@
 #            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf.
 #            ITEM6="decode arith gsm8k tests" (the default) picks its parts
 set -u
-STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab or item6}
+STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, ncu_ab or item6}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -103,6 +107,22 @@ decode_ab)
   AB_TIMEOUT=150 patch_ab decode "${TESTS:-head256}" ${AB_MIN:-100} bench/decode.py --shapes \
     ${SHAPES:-8/4/256,4/1/256} --batches 32 --contexts 16384 --no-extra \
     --presets turboquant_k3v4_nc,tq_k4v3 ;;
+ncu_ab)
+  P=/tmp/patched1; rm -rf $P && mkdir -p $P && cp -r tqattn bench tests pyproject.toml $P/
+  (cd $P && { git apply $R/${PATCH:?PATCH=bench/lab/pending/NAME.patch} 2>/dev/null || patch -p1 -s < $R/$PATCH; }) \
+    || { echo "patch failed: $PATCH"; exit 3; }
+  for tree in $R $P; do
+    tag=$([ $tree = $R ] && echo main || echo patch)
+    for page in details source; do
+      [ $(left) -lt 60 ] && break
+      extra=$([ $page = source ] && echo "--print-source sass" || echo "--section SpeedOfLight --section Occupancy --section InstructionStats --section SchedulerStats")
+      PYTHONPATH=$tree:/tmp/fa3 timeout 150 ncu --clock-control none --profile-from-start off \
+        -k regex:_decode_mma --section WarpStateStats --section SourceCounters $extra --csv \
+        --page $page python3 $tree/bench/lab/ncu_kernels.py decode ${PRESET:-tq_k4v3} \
+        ${SHAPE:-4/1/256} 32 16384 > $OUT/ncu_${tag}_$page.csv 2> $OUT/ncu_${tag}_$page.log
+      tail -2 $OUT/ncu_${tag}_$page.log
+    done
+  done ;;
 latency)
   timeout 300 python3 bench/model_step.py --sizes 1 --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \
     --out $OUT/model_step.json > $OUT/model_step.log 2>&1

@@ -1480,7 +1480,7 @@ def _loop256_copies(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_r
 def _async_256(KEYS, VALS):
     """Whether head size 256 copies its words asynchronously (:func:`_loop256_copies`): for
     ``turboquant_k3v4_nc``'s format only — 4-6 % faster on an H100, while ``tq_k4v3``'s took
-    5-17 % longer (bench/results/decode256_async_copy_h100_s38.md)."""
+    5-6 % longer (bench/results/decode256_async_copy_h100_s38.md)."""
     return KEYS == 0 and VALS == 0
 
 

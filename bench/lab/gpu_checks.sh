@@ -44,6 +44,11 @@ if [ -f .carry/fa3.tar.xz ]; then
 fi
 export PYTHONPATH=$R:/tmp/fa3:/tmp/smol  # /tmp/smol: the GGUF and gguf, once item6 assembled them
 mkdir -p /tmp/gguf && cp .carry/gguf/* /tmp/gguf/ 2>/dev/null
+# patched_tree DIR PATCH: a copy of the tree at DIR with PATCH applied
+patched_tree() {
+  rm -rf $1 && mkdir -p $1 && cp -r tqattn bench tests pyproject.toml $1/
+  (cd $1 && { git apply $R/$2 2>/dev/null || patch -p1 -s < $R/$2; }) || { echo "patch failed: $2"; exit 3; }
+}
 # patch_ab NAME TESTS MIN_LEFT SCRIPT ARGS...: each patch of $PATCH (space-separated) applied
 # to its own copy of the tree, its GPU kernel tests matching TESTS ("-": none), then SCRIPT ARGS
 # run by main and each patched tree in turns, twice
@@ -51,9 +56,7 @@ patch_ab() {
   local name=$1 tests=$2 min=$3 trees=$R i=0; shift 3
   for patch in ${PATCH:?PATCH=bench/lab/pending/NAME.patch}; do
     i=$((i + 1)); local P=/tmp/patched$i; trees="$trees $P"
-    rm -rf $P && mkdir -p $P && cp -r tqattn bench tests pyproject.toml $P/
-    (cd $P && { git apply $R/$patch 2>/dev/null || patch -p1 -s < $R/$patch; }) \
-      || { echo "patch failed: $patch"; exit 3; }
+    patched_tree $P $patch
     echo "patch$i: $patch" | tee -a $OUT/${name}_ab_trees.txt
     [ "$tests" = - ] && continue
     (cd $P && PYTHONPATH=$P:/tmp/fa3 timeout 200 python3 -m pytest -m gpu -p no:warnings -rA -n 8 \
@@ -108,9 +111,7 @@ decode_ab)
     ${SHAPES:-8/4/256,4/1/256} --batches 32 --contexts 16384 --no-extra \
     --presets turboquant_k3v4_nc,tq_k4v3 ;;
 ncu_ab)
-  P=/tmp/patched1; rm -rf $P && mkdir -p $P && cp -r tqattn bench tests pyproject.toml $P/
-  (cd $P && { git apply $R/${PATCH:?PATCH=bench/lab/pending/NAME.patch} 2>/dev/null || patch -p1 -s < $R/$PATCH; }) \
-    || { echo "patch failed: $PATCH"; exit 3; }
+  P=/tmp/patched1; patched_tree $P ${PATCH:?PATCH=bench/lab/pending/NAME.patch}
   for tree in $R $P; do
     tag=$([ $tree = $R ] && echo main || echo patch)
     for page in details source; do

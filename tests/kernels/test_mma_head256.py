@@ -172,7 +172,6 @@ def test_head256_formats():
     assert not _spec.kernel_spec(TQCodec("turboquant_k8v4", D), 16).mma
 
 
-
 _COMPILE = """
 import json, sys
 from bench.sass_stats import compile_decode
@@ -196,6 +195,6 @@ def test_head256_async_copies(preset, copies):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    slots = decode_mma._key_slots(0, 0, D) + decode_mma._value_slots(0, D)
+    slots = decode_mma._key_slots(0, 0) + decode_mma._value_slots(0)
     assert got["copies"] == copies
     assert (got["shared"] >= 256 * slots) == copies, got

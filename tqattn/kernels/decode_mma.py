@@ -1087,27 +1087,28 @@ def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.const
 
 
 @triton.constexpr_function
-def _key_slots(KEYS, MAP, D):
-    """Shared word slots of a tile's key words and norms (:func:`_load_k`; head size 128, 256)."""
-    return (D // 128) * (12 if KEYS == 0 else 16) + (2 if MAP == 0 else 4)
+def _key_slots(KEYS, MAP):
+    """Shared word slots of a head-256 tile's key words (both halves) and norms
+    (:func:`_load_k`)."""
+    return 2 * (12 if KEYS == 0 else 16) + (2 if MAP == 0 else 4)
 
 
 @triton.constexpr_function
-def _value_slots(VALS, D):
-    """Shared word slots of a tile's value words and scalars (:func:`_load_v`; head size 128,
-    256: the second half's words after the first's and the scalars)."""
-    return {0: 20, 1: 16, 2: 20, 3: 18}[VALS] + (D == 256) * (16 if VALS in (0, 3) else 12)
+def _value_slots(VALS):
+    """Shared word slots of a head-256 tile's value words (both halves) and scalars
+    (:func:`_load_v`)."""
+    return {0: 36, 1: 28, 2: 32, 3: 34}[VALS]
 
 
 @gluon.jit
 def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
             KN_OFF: gl.constexpr, KEYS: gl.constexpr, MAP: gl.constexpr, D: gl.constexpr,
             buf=None, S: gl.constexpr = 0, MODE: gl.constexpr = 0):
-    """Key words and norms of tile t. buf, S, MODE (head size 128, 256; not fp8 keys):
-    :func:`_word`, in slots S..S + _key_slots(KEYS, MAP, D) - 1."""
+    """Key words and norms of tile t. buf, S, MODE (head size 256): :func:`_word`, in slots
+    S..S + _key_slots(KEYS, MAP) - 1."""
     if D == 256:  # the halves' words, the first half's first (K_OFF + KH: the second's)
         KH: gl.constexpr = 16 * BS if KEYS == 0 else 64
-        S2: gl.constexpr = S + _key_slots(KEYS, MAP, D) - (12 if KEYS == 0 else 16)
+        S2: gl.constexpr = S + _key_slots(KEYS, MAP) - (12 if KEYS == 0 else 16)
         if KEYS == 0:
             kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D, buf, S,
                                 MODE)
@@ -1120,10 +1121,9 @@ def _load_k(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
                                  buf, S2, MODE, False)
         kw = kw + kw2
     elif KEYS == 0:
-        kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D, buf, S, MODE)
+        kw, kn = _load_keys(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
     elif KEYS == 1:
-        kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D, buf, S,
-                             MODE)
+        kw, kn = _load_keys4(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, MAP, D)
     else:
         kw, kn = _load_keys8(t, pages, page0, lane, sc_b, BS, K_OFF)
     return kw, kn
@@ -1136,7 +1136,7 @@ def _load_v(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
     """Value words and their scalars: (scales, zero points) for uniform values (VALS 0, 2),
     (norms, norms) for rotated ones (VALS 1, 3; VS_OFF: the norms' plane, VZ_OFF unused). At
     D = 256 the two halves' words, the first half's first. buf, S, MODE (head size 256):
-    :func:`_word`, in slots S..S + _value_slots(VALS, D) - 1 (head size 128, 256)."""
+    :func:`_word`, in slots S..S + _value_slots(VALS) - 1."""
     if VALS == 0:
         vw, vs, vz = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, D,
                                   buf, S, MODE)
@@ -1151,7 +1151,7 @@ def _load_v(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
         else:
             vz = vs
     if D == 256:  # the second half: 64 row bytes on (VALS 0, 3) or 16 code words on (1, 2)
-        S2: gl.constexpr = S + _value_slots(VALS, D) - (16 if (VALS == 0 or VALS == 3) else 12)
+        S2: gl.constexpr = S + _value_slots(VALS) - (16 if (VALS == 0 or VALS == 3) else 12)
         if VALS == 0 or VALS == 3:
             vw2, _, _ = _load_values(t, pages, page0, lane, sc_b, BS, V_OFF + 64, VS_OFF,
                                      VS_OFF, D, buf, S2, MODE, 0)
@@ -1426,17 +1426,17 @@ def _loop256_copies(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_r
                     MAP: gl.constexpr, KSM: gl.constexpr):
     """:func:`_loop256` with the next tile's words in flight without registers: they travel
     asynchronously (``cp.async``) into shared memory, each lane its own words, one slot per
-    word, while a tile is computed, after an L2 prefetch of that tile's blocks (KEYS = VALS = 0
-    only, ASYNC_256)."""
+    word, while a tile is computed, after an L2 prefetch of that tile's blocks (the formats
+    :func:`_async_256` picks)."""
     qb = _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS, 256)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
     l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
     z_p = l_p
     acc = (gl.zeros([128, 8], gl.float32, layout=_MMA), gl.zeros([128, 8], gl.float32, layout=_MMA))
-    NK: gl.constexpr = _key_slots(KEYS, MAP, 256)
+    NK: gl.constexpr = _key_slots(KEYS, MAP)
     # one allocation per slot: copies into distinct allocations need no barrier between them
     buf = ()
-    for i in gl.static_range(NK + _value_slots(VALS, 256)):
+    for i in gl.static_range(NK + _value_slots(VALS)):
         buf = buf + (gl.allocate_shared_memory(gl.int64, [32], _SLOTS),)
     pages = _pages(t0, seq_len, bt_row, lane, BS, MAP)
     pf = _l2_page(t0, t1, seq_len, bt_row, lane, BS)
@@ -1564,19 +1564,19 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
     else:
         tau = 16 * ((rho % 8) // 2) + 2 * (rho // 8) + rho % 2
 
-    if D == 256 and _async_256(KEYS, VALS):
+    if D == 256:
         hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
         q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
-        m_i, l_p, z_p, acc = _loop256_copies(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, t0, t1,
-                                             seq_len, bt_row, tab, tabv, tau, page0, lane, sc_b,
-                                             sc_h, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
-                                             VALS, MAP, KSM)
-    elif D == 256:
-        hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
-        q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
-        m_i, l_p, z_p, acc = _loop256(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, t0, t1, seq_len,
-                                      bt_row, tab, tabv, tau, page0, lane, sc_b, sc_h, BS, K_OFF,
-                                      KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS, VALS, MAP, KSM)
+        if _async_256(KEYS, VALS):
+            m_i, l_p, z_p, acc = _loop256_copies(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, t0,
+                                                 t1, seq_len, bt_row, tab, tabv, tau, page0, lane,
+                                                 sc_b, sc_h, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
+                                                 VZ_OFF, KEYS, VALS, MAP, KSM)
+        else:
+            m_i, l_p, z_p, acc = _loop256(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, t0, t1,
+                                          seq_len, bt_row, tab, tabv, tau, page0, lane, sc_b,
+                                          sc_h, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
+                                          VALS, MAP, KSM)
     else:
         # the first tile's words are loaded first, the query rotated while they are in flight; the
         # page indices run a tile ahead of the words, so a block-table miss never waits in line

@@ -26,6 +26,10 @@
 #            $PRESET (default tq_k4v3) at $SHAPE (default 4/1/256), B = 32, 16K, on main and
 #            the patched tree: details (speed of light, warp states, instruction stats) and the
 #            per-SASS-line stall samples (--page source), CSV
+#   ncu_splits  Nsight Compute of main's tensor-core decode at $SHAPE (default 4/1/256), B = 32,
+#            16K, for each of $PRESETS (default tq_k4v3 turboquant_k3v4_nc) at each split count
+#            of $SPLITS (default 16 33): speed of light, memory and compute workload, occupancy,
+#            warp states, CSV
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
 #            Qwen3-4B's start-up with empty, then warm caches
 #   item6    issue 24 item 6 on SmolLM2's real weights: compiled + graphs vs eager through the
@@ -35,7 +39,7 @@
 #            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf.
 #            ITEM6="decode arith gsm8k tests" (the default) picks its parts
 set -u
-STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, ncu_ab or item6}
+STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, ncu_ab, ncu_splits or item6}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -124,6 +128,16 @@ ncu_ab)
       tail -2 $OUT/ncu_${tag}_$page.log
     done
   done ;;
+ncu_splits)
+  for s in ${SPLITS:-16 33}; do for p in ${PRESETS:-tq_k4v3 turboquant_k3v4_nc}; do
+    [ $(left) -lt 40 ] && break
+    timeout 120 ncu --clock-control none --profile-from-start off -k regex:_decode_mma \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats --csv --page details \
+      python3 bench/lab/ncu_kernels.py decode $p ${SHAPE:-4/1/256} 32 16384 $s \
+      > $OUT/ncu_${p}_s$s.csv 2> $OUT/ncu_${p}_s$s.log
+  done; done ;;
 latency)
   timeout 300 python3 bench/model_step.py --sizes 1 --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \
     --out $OUT/model_step.json > $OUT/model_step.log 2>&1

@@ -6,9 +6,10 @@ centering, run between cudaProfilerStart/Stop after two warm-up calls, so that
         python3 bench/lab/ncu_kernels.py decode tq_k4v3 4/1/256 32 16384
     ncu ... -k regex:_store_kernel ... python3 bench/lab/ncu_kernels.py store tq_k4v3 16384
 
-decode PRESET HQ/HK/D B L: decode_attention_triton over B sequences of L tokens (bench/decode.py's
-data); store PRESET N: TurboQuantImpl.store of N tokens x 8 KV heads, head size 128
-(bench/centering_overhead.py's pair: uncentered, then centered).
+decode PRESET HQ/HK/D B L [SPLITS]: decode_attention_triton over B sequences of L tokens
+(bench/decode.py's data), at its default split count or SPLITS; store PRESET N:
+TurboQuantImpl.store of N tokens x 8 KV heads, head size 128 (bench/centering_overhead.py's
+pair: uncentered, then centered).
 """
 import os
 import sys
@@ -30,7 +31,8 @@ if mode == "decode":
     del k, v
     lens = torch.full((b,), l, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    fns = [lambda: decode_attention_triton(codec, q, cache, bt, lens, out=out)]
+    splits = int(sys.argv[6]) if len(sys.argv) > 6 else None
+    fns = [lambda: decode_attention_triton(codec, q, cache, bt, lens, out=out, num_splits=splits)]
 else:
     from bench.centering_overhead import prefill_store
     fns = list(prefill_store(sys.argv[2], int(sys.argv[3]), "cuda"))

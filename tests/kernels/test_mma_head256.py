@@ -112,14 +112,14 @@ def test_value_rows_halves(h):
 
 @pytest.mark.parametrize("h", [0, 1])
 def test_value_rows3_halves(h):
-    """3-bit column-major values: half h's code words 16h + 2g + w (sub-planes 32·BS apart)
+    """3-bit column-major values: half h's code words 16h + g + 8w (sub-planes 32·BS apart)
     of the lane's tokens 16t.., LUT3_TOKENS and the head-128 permute."""
     codec, page, slots = R.page("tq_k4v3", D)
     codes = R.codes(codec, slots, "v_idx")
     off = _off(codec, "v_idx")
 
     def value_word3(w):                   # [32, e, h, c0, c1, c2, kb0, kb1]
-        per_tok = [_word3(page, off, 16 * h + 2 * G + w, 16 * T + i) for i in range(16)]
+        per_tok = [_word3(page, off, 16 * h + G + 8 * w, 16 * T + i) for i in range(16)]
         quads = []
         for kb in range(4):
             pair = [S(per_tok[4 * kb + 2 * hh][:, c], per_tok[4 * kb + 2 * hh + 1][:, c])
@@ -129,7 +129,7 @@ def test_value_rows3_halves(h):
 
     x = S(value_word3(0), value_word3(1)).permute(0, 2, 3, 4, 5, 6, 7, 8, 1)
     op = R.permute_reshape(x, [8, 5, 4, 3, 0, 7, 6, 2, 1, 9], (128, 64))
-    coord = decode_mma.value_row_coord(torch.arange(D), D)[128 * h:128 * (h + 1)]
+    coord = decode_mma.value_row_coord(torch.arange(D), D, 1)[128 * h:128 * (h + 1)]
     assert torch.equal(op, codes[TAU[1]][:, coord].T)
 
 
@@ -148,7 +148,7 @@ def test_query_rotation_and_output_unrotation_head256(preset):
     want = ((q.float() @ r[:, decode_mma.operand_coord(torch.arange(D), keys, D)]) * 0.7).half()
     assert ((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
     if spec.mma.rotated_values:
-        coord = decode_mma.value_row_coord(torch.arange(D), D)
+        coord = decode_mma.value_row_coord(torch.arange(D), D, spec.mma.vals)
         acc = torch.randn(D, 8, dtype=torch.float64)             # rows: the halves' ρ
         h = torch.ones(1, 1, dtype=torch.float64)
         while h.shape[0] < 128:

@@ -63,15 +63,15 @@ def test_value_operand3_rows_and_columns():
     v_off = BS * f.offset
     lane = torch.arange(32)
     g, t = lane // 4, lane % 4
-    # the kernel's loads: sub-plane s of code word 2g + w at v_off + (16s + 2g + w)·BS, tokens
+    # the kernel's loads: sub-plane s of code word g + 8w at v_off + (16s + g + 8w)·BS, tokens
     # 16t.. (column-major)
     words = {}
     for w in range(2):
         for s in range(3):
-            plane = 16 * s + 2 * g + w
+            plane = 16 * s + g + 8 * w
             words[w, s] = torch.stack([page[v_off + plane * BS + 16 * t + i] for i in range(16)], -1)
 
-    def code(w, tok):                     # the 3-bit code c of word 2g + w, token 16t + tok
+    def code(w, tok):                     # the 3-bit code c of word g + 8w, token 16t + tok
         by = [words[w, s][:, tok].long() for s in range(3)]
         out = []
         for c in range(8):
@@ -96,7 +96,7 @@ def test_value_operand3_rows_and_columns():
     x = x.permute(0, 2, 3, 4, 5, 6, 7, 8, 1)       # halves last
     op = _permute_reshape(x, [8, 5, 4, 3, 0, 7, 6, 2, 1, 9], (128, 64))
     rows, k = torch.arange(128), torch.arange(64)
-    coord = decode_mma.value_row_coord(rows)
+    coord = decode_mma.value_row_coord(rows, 128, 1)
     tok = 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
     rho = k                                        # P's row ρ is the operand's column k
     assert torch.equal(tok, 16 * ((rho % 8) // 2) + 2 * (rho // 8) + rho % 2)
@@ -114,7 +114,7 @@ def test_output_unrotation_and_query_rotation_tables():
     assert spec.mma and (spec.mma.keys, spec.mma.vals, spec.mma.store) == (1, 1, True)
     tab, sgn, _, vtab, osgn = decode_mma._tables(spec, "cpu")
     r = codec.rotation.float()
-    coord = decode_mma.value_row_coord(torch.arange(128))
+    coord = decode_mma.value_row_coord(torch.arange(128), 128, spec.mma.vals)
     acc = torch.randn(128, 8, dtype=torch.float64)           # rotated coordinates, by row ρ
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < 128:                                  # Sylvester's Hadamard matrix

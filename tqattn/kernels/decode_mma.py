@@ -362,9 +362,12 @@ def operand_coord(k: torch.Tensor, keys: int = 0, d: int = 128) -> torch.Tensor:
     return (k & 1) | ((k >> 2) & 0x1E) | ((k << 4) & 0x60)   # keys 1 and fp8 keys (2)
 
 
-def value_row_coord(r: torch.Tensor, d: int = 128) -> torch.Tensor:
+def value_row_coord(r: torch.Tensor, d: int = 128, vals: int = 0) -> torch.Tensor:
     """Coordinate of row ρ of Vᵀ and of the output accumulator: d/8·(ρ % 8) + ρ // 8 (at 256
-    the 128 map within each half)."""
+    the 128 map within each half); 3-bit column-major values (vals 1, 2) at d ≥ 128: 8(ρ % 8)
+    + (ρ // 8) % 8 + 64(ρ // 64)."""
+    if d > 64 and vals in (1, 2):
+        return 8 * (r % 8) + (r // 8) % 8 + 64 * (r // 64)
     if d == 256:
         return value_row_coord(r % 128) + 128 * (r // 128)
     return d // 8 * (r % 8) + r // 8
@@ -780,7 +783,7 @@ def _lut3_tokens(a, b, c, tab):
 
 @gluon.jit
 def _value_word3(vw, W: gl.constexpr, tab):
-    """Code word 2g + W of the lane's 16 tokens (:func:`_load_values3`) → [32, h, c0, c1, c2,
+    """Code word g + 8W of the lane's 16 tokens (:func:`_load_values3`) → [32, h, c0, c1, c2,
     kb0, kb1] fp16 pairs: code c of tokens 4kb + 2h, +1."""
     a0, a1 = _lo_hi(vw[6 * W])
     b0, b1 = _lo_hi(vw[6 * W + 2])
@@ -795,8 +798,8 @@ def _value_word3(vw, W: gl.constexpr, tab):
 @gluon.jit
 def _value_rows3(vw, tab, D: gl.constexpr):
     """Vᵀ [D rows, 64 columns] (128 of a half at D = 256) fp16 of 3-bit column-major values:
-    row g + 8i is coordinate 16g + i (head size 64: 8g + i), column e + 2t + 8h + 16kb token
-    16t + 4kb + 2h + e."""
+    row g + 8i is coordinate 8g + 64(i // 8) + i % 8 (head size 64: 8g + i), column e + 2t + 8h
+    + 16kb token 16t + 4kb + 2h + e."""
     if D != 64:
         x = gl.join(_value_word3(vw, 0, tab), _value_word3(vw, 1, tab))
         # [lane, h, c0, c1, c2, kb0, kb1, w] → halves → [g, t, h, c0, c1, c2, kb0, kb1, w, e]
@@ -1064,22 +1067,22 @@ def _load_keys8(t, pages, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constex
 @gluon.jit
 def _load_values3(t, pages, page0, lane, sc_b, BS: gl.constexpr, V_OFF: gl.constexpr,
                   D: gl.constexpr, buf=None, S: gl.constexpr = 0, MODE: gl.constexpr = 0):
-    """3-bit column-major values (MAP 1): sub-plane s of code words 2g + w (at (16s + 2g + w)·BS
-    in the plane; head size 64: of code word g, at (8s + g)·BS) for the lane's 16 tokens 16t..
-    (12 int64, 6 at 64: word 6w + 2s + u holds tokens 16t + 8u + 0..7). buf, S, MODE:
-    :func:`_word` (slots S..)."""
+    """3-bit column-major values (MAP 1): sub-plane s of code words g + 8w (at (16s + g +
+    8w)·BS in the plane; head size 64: of code word g, at (8s + g)·BS) for the lane's 16 tokens
+    16t.. (12 int64, 6 at 64: word 6w + 2s + u holds tokens 16t + 8u + 0..7), so that the 8
+    lanes of a page read 8 adjacent words' 16-byte runs (block size 16: whole sectors). buf, S,
+    MODE: :func:`_word` (slots S..)."""
     tt = t * TILE + 16 * (lane % 4)
     pv = page0 + pages[1].to(gl.int64) * sc_b
     SP: gl.constexpr = D // 64 * BS  # int64 words from one sub-plane to the next
-    W: gl.constexpr = 2 if D > 128 else D // 64  # code words per lane (256: of the half at V_OFF)
-    vb = (pv + V_OFF + (tt % BS) + W * (lane // 4) * BS).to(gl.pointer_type(gl.int64))
+    vb = (pv + V_OFF + (tt % BS) + (lane // 4) * BS).to(gl.pointer_type(gl.int64))
     a0, a1 = _load16(vb, buf, S, MODE)
     b0, b1 = _load16(vb + SP, buf, S + 2, MODE)
     c0, c1 = _load16(vb + 2 * SP, buf, S + 4, MODE)
-    if D != 64:
-        d0, d1 = _load16(vb + BS // 8, buf, S + 6, MODE)
-        e0, e1 = _load16(vb + BS // 8 + SP, buf, S + 8, MODE)
-        f0, f1 = _load16(vb + BS // 8 + 2 * SP, buf, S + 10, MODE)
+    if D != 64:  # code word g + 8 (of the half at V_OFF at head size 256)
+        d0, d1 = _load16(vb + BS, buf, S + 6, MODE)
+        e0, e1 = _load16(vb + BS + SP, buf, S + 8, MODE)
+        f0, f1 = _load16(vb + BS + 2 * SP, buf, S + 10, MODE)
         vw = (a0, a1, b0, b1, c0, c1, d0, d1, e0, e1, f0, f1)
     else:
         vw = (a0, a1, b0, b1, c0, c1)
@@ -1632,10 +1635,12 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                    float("-inf"))
     heads = gl.arange(0, 8, layout=_HEADS)
     dims = gl.arange(0, D, layout=gl.SliceLayout(1, _MMA))
-    if D == 256:  # rows of the two halves, each as at head size 128
+    if D == 64:
+        dim = 8 * (dims % 8) + dims // 8
+    elif VALS == 1 or VALS == 2:  # 3-bit column-major values (the halves' rows at 256)
+        dim = (dims // 64) * 64 + 8 * (dims % 8) + (dims // 8) % 8
+    else:  # the halves' rows at 256 each as at head size 128
         dim = (dims // 128) * 128 + 16 * (dims % 8) + (dims % 128) // 8
-    else:
-        dim = (D // 8) * (dims % 8) + dims // 8
     if VALS == 0 or VALS == 2:
         z = gl.convert_layout(gl.sum(z_p, axis=0), _HEADS) * inv
         if D == 256:
@@ -1856,7 +1861,7 @@ def _tables(spec, device) -> tuple:
         elif fmt.vals == 3:
             vwords = _asm.symmetric_table_words(spec.table[vf.lut:vf.lut + 16].tolist(), vf.sm)
         if fmt.rotated_values:
-            osgn = s[value_row_coord(torch.arange(d), d)]
+            osgn = s[value_row_coord(torch.arange(d), d, fmt.vals)]
         _TABLES[key] = (torch.tensor([words] * 32, dtype=torch.int32, device=device),
                         s[operand_coord(torch.arange(d), fmt.keys, d)].float().to(device),
                         s.float().to(device),

@@ -29,7 +29,7 @@
 #   ncu_splits  Nsight Compute of main's tensor-core decode at $SHAPE (default 4/1/256), B = 32,
 #            16K, for each of $PRESETS (default tq_k4v3 turboquant_k3v4_nc) at each split count
 #            of $SPLITS (default 16 33): speed of light, memory and compute workload, occupancy,
-#            warp states, CSV
+#            warp states, CSV; SOURCE=1 adds the per-SASS-line stall samples (--page source)
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
 #            Qwen3-4B's start-up with empty, then warm caches
 #   item6    issue 24 item 6 on SmolLM2's real weights: compiled + graphs vs eager through the
@@ -137,6 +137,11 @@ ncu_splits)
       --section WarpStateStats --section SchedulerStats --csv --page details \
       python3 bench/lab/ncu_kernels.py decode $p ${SHAPE:-4/1/256} 32 16384 $s \
       > $OUT/ncu_${p}_s$s.csv 2> $OUT/ncu_${p}_s$s.log
+    [ "${SOURCE:-0}" = 1 ] && [ $(left) -gt 40 ] && timeout 120 ncu --clock-control none \
+      --profile-from-start off -k regex:_decode_mma --section WarpStateStats \
+      --section SourceCounters --print-source sass --csv --page source \
+      python3 bench/lab/ncu_kernels.py decode $p ${SHAPE:-4/1/256} 32 16384 $s \
+      > $OUT/ncu_${p}_s${s}_source.csv 2> $OUT/ncu_${p}_s${s}_source.log
   done; done ;;
 latency)
   timeout 300 python3 bench/model_step.py --sizes 1 --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \

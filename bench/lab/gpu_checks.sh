@@ -53,6 +53,15 @@ patched_tree() {
   rm -rf $1 && mkdir -p $1 && cp -r tqattn bench tests pyproject.toml $1/
   (cd $1 && { git apply $R/$2 2>/dev/null || patch -p1 -s < $R/$2; }) || { echo "patch failed: $2"; exit 3; }
 }
+# ncu_decode TIMEOUT TREE OUT PAGE PRESET SPLITS SECTION_ARGS...: Nsight Compute of one
+# tensor-core decode launch with TREE's code (bench/lab/ncu_kernels.py: $SHAPE, default 4/1/256,
+# B = 32, 16K; SPLITS empty: the default count), CSV into OUT.csv, its log into OUT.log
+ncu_decode() {
+  local t=$1 tree=$2 out=$3 page=$4 preset=$5 splits=$6; shift 6
+  PYTHONPATH=$tree:/tmp/fa3 timeout $t ncu --clock-control none --profile-from-start off \
+    -k regex:_decode_mma "$@" --csv --page $page python3 $tree/bench/lab/ncu_kernels.py decode \
+    $preset ${SHAPE:-4/1/256} 32 16384 $splits > $out.csv 2> $out.log
+}
 # patch_ab NAME TESTS MIN_LEFT SCRIPT ARGS...: each patch of $PATCH (space-separated) applied
 # to its own copy of the tree, its GPU kernel tests matching TESTS ("-": none), then SCRIPT ARGS
 # run by main and each patched tree in turns, twice
@@ -121,27 +130,20 @@ ncu_ab)
     for page in details source; do
       [ $(left) -lt 60 ] && break
       extra=$([ $page = source ] && echo "--print-source sass" || echo "--section SpeedOfLight --section Occupancy --section InstructionStats --section SchedulerStats")
-      PYTHONPATH=$tree:/tmp/fa3 timeout 150 ncu --clock-control none --profile-from-start off \
-        -k regex:_decode_mma --section WarpStateStats --section SourceCounters $extra --csv \
-        --page $page python3 $tree/bench/lab/ncu_kernels.py decode ${PRESET:-tq_k4v3} \
-        ${SHAPE:-4/1/256} 32 16384 > $OUT/ncu_${tag}_$page.csv 2> $OUT/ncu_${tag}_$page.log
+      ncu_decode 150 $tree $OUT/ncu_${tag}_$page $page ${PRESET:-tq_k4v3} "" \
+        --section WarpStateStats --section SourceCounters $extra
       tail -2 $OUT/ncu_${tag}_$page.log
     done
   done ;;
 ncu_splits)
   for s in ${SPLITS:-16 33}; do for p in ${PRESETS:-tq_k4v3 turboquant_k3v4_nc}; do
     [ $(left) -lt 40 ] && break
-    timeout 120 ncu --clock-control none --profile-from-start off -k regex:_decode_mma \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+    ncu_decode 120 $R $OUT/ncu_${p}_s$s details $p $s --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
       --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section SchedulerStats --csv --page details \
-      python3 bench/lab/ncu_kernels.py decode $p ${SHAPE:-4/1/256} 32 16384 $s \
-      > $OUT/ncu_${p}_s$s.csv 2> $OUT/ncu_${p}_s$s.log
-    [ "${SOURCE:-0}" = 1 ] && [ $(left) -gt 40 ] && timeout 120 ncu --clock-control none \
-      --profile-from-start off -k regex:_decode_mma --section WarpStateStats \
-      --section SourceCounters --print-source sass --csv --page source \
-      python3 bench/lab/ncu_kernels.py decode $p ${SHAPE:-4/1/256} 32 16384 $s \
-      > $OUT/ncu_${p}_s${s}_source.csv 2> $OUT/ncu_${p}_s${s}_source.log
+      --section WarpStateStats --section SchedulerStats
+    [ "${SOURCE:-0}" = 1 ] && [ $(left) -gt 40 ] && ncu_decode 120 $R $OUT/ncu_${p}_s${s}_source \
+      source $p $s --section WarpStateStats --section SourceCounters --print-source sass
   done; done ;;
 latency)
   timeout 300 python3 bench/model_step.py --sizes 1 --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \

@@ -194,8 +194,8 @@ def test_mma_fused_query_rotation():
                                  codec=types.SimpleNamespace(rotation=haar_rotation(128)))
     assert _spec.mma_layout(spec) and not _spec.mma_layout(haar)
     assert not _spec.kernel_spec(TQCodec("tq_k3o4v3.5", 128), 16).mma
-    for d in (64, 256):
-        assert _spec.kernel_spec(TQCodec("turboquant_k3v4_nc", d), 16).mma.store is False
+    assert _spec.kernel_spec(TQCodec("turboquant_k3v4_nc", 64), 16).mma.store is False
+    assert _spec.kernel_spec(TQCodec("turboquant_k3v4_nc", 256), 16).mma.store is True
     assert not _spec.kernel_spec(TQCodec("turboquant_k3v4_nc", 96), 16).mma
 
 

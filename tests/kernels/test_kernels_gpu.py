@@ -253,16 +253,15 @@ def test_decode_mma_head64_gpu(name, monkeypatch):
 def test_decode_mma_head256_gpu(name, monkeypatch):
     """Head size 256 on the tensor-core kernel (D = 256: two 128-coordinate halves): page sizes,
     GQA 2 and 4 (Gemma 3) and 8, sequences of 0 and 1 tokens and of fewer tiles than splits,
-    several split counts; against the portable kernel too; a step's new K/V through the store
-    kernel first."""
+    several split counts; against the portable kernel too (a step's new K/V, which the kernel
+    stores itself: test_decode_fused_store_gpu)."""
     from tqattn.kernels import step
     from tqattn.kernels._spec import kernel_spec
     from tqattn.kernels.decode import decode_attention_triton
-    from tqattn.kernels.store import store_kv_triton
     q = torch.zeros(1, 4, 256, device=DEV)
     spec = kernel_spec(_codec(name, 256), 16)
     assert step.tensor_core_decode(spec, q, 1, True)
-    assert step.decode_kernel_store(spec, q, 1, True) == step.STORE_KERNEL
+    assert step.decode_kernel_store(spec, q, 1, True) == step.DECODE_KERNEL
     for bs in (16, 32, 64):
         _decode_case(name, 256, 2, 4, bs, [63, 64, 65, 129, 3000, 1])
     _decode_case(name, 256, 4, 2, 16, [0, 300, 64, 2000])
@@ -279,14 +278,6 @@ def test_decode_mma_head256_gpu(name, monkeypatch):
     # two bf16 outputs of 16-bit-operand vs fp32 math: 2.05e-3 apart for turboquant_4bit_nc on
     # the H200 (one bf16 rounding alone is ~1.7e-3); each is held to the reference above
     assert rel_err(got, want) < 3e-3
-    cache, bt, seq_lens, slots = _new_token_cache(codec, [900, 3000, 17, 64], 2)
-    q = torch.randn(4, 4, 256, device=DEV, dtype=torch.bfloat16)
-    k, v = torch.randn(2, 4, 2, 256, device=DEV, dtype=torch.bfloat16)
-    a = cache.clone()
-    store_kv_triton(codec, k, v, a, slots)
-    want = decode_attention_triton(codec, q, a, bt, seq_lens)
-    got = decode_attention_triton(codec, q, cache, bt, seq_lens, new_kv=(k, v, slots))
-    assert torch.equal(a, cache) and rel_err(got, want) < 1e-4
 
 
 def _replay_new_tokens(codec, step, q, k, v, a, slots, check):
@@ -340,22 +331,23 @@ def test_decode_with_new_kv_gpu(key_splits, monkeypatch, portable):
 @pytest.mark.parametrize("name", ["turboquant_k3v4_nc", "tq_k4v3", "turboquant_4bit_nc",
                                   "turboquant_3bit_nc", "tq_k3v3", "tq_k4v4", "tq_k3v4"])
 @pytest.mark.parametrize("bs", [16, 64])
-def test_decode_fused_store_gpu(bs, name):
+@pytest.mark.parametrize("d", [128, 256])
+def test_decode_fused_store_gpu(bs, name, d):
     """The tensor-core decode kernel stores each sequence's new token itself (its last
     split, before reading) — the cache as the store kernel writes it up to codes on bucket
     boundaries and as its PyTorch twin writes it, the same output, padding slots untouched,
-    non-finite rows marked; eager and replayed from a CUDA graph."""
+    non-finite rows marked; eager and replayed from a CUDA graph; head sizes 128 and 256."""
     from tqattn.kernels._spec import kernel_spec
     from tqattn.kernels.decode import decode_attention_triton
     from tqattn.kernels.decode_mma import store_new_token_ref
     from tqattn.kernels.store import store_kv_triton
-    codec = _codec(name, 128)
+    codec = _codec(name, d)
     lens = [900, 3000, 17, 64, 1, 129]
     cache, bt, seq_lens, slots = _new_token_cache(codec, lens, 8, bs)
     slots[3] = -1                                   # a padding entry: nothing stored
-    q = torch.randn(len(lens), 32, 128, device=DEV, dtype=torch.bfloat16)
-    k, v = torch.randn(2, len(lens), 8, 128, device=DEV, dtype=torch.bfloat16)
-    k[1, 3, 5] = float("nan")
+    q = torch.randn(len(lens), 32, d, device=DEV, dtype=torch.bfloat16)
+    k, v = torch.randn(2, len(lens), 8, d, device=DEV, dtype=torch.bfloat16)
+    k[1, 3, d - 5] = float("nan")                   # in the second half at 256
     v[2, 6, 1] = float("inf")
 
     def check(a, b):

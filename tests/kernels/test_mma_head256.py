@@ -162,13 +162,13 @@ def test_query_rotation_and_output_unrotation_head256(preset):
 
 
 def test_head256_formats():
-    """Every head size 128 tensor-core format but fp8 keys reads at 256, without the fused
-    store."""
+    """Every head size 128 tensor-core format but fp8 keys reads at 256, and stores a decode
+    step's new token itself."""
     for preset, fmt in (("turboquant_k3v4_nc", (0, 0)), ("tq_k4v3", (1, 1)),
                         ("turboquant_4bit_nc", (1, 0)), ("turboquant_3bit_nc", (0, 2)),
                         ("tq_k3v3", (0, 1)), ("tq_k4v4", (1, 3)), ("tq_k3v4", (0, 3))):
         mma = _spec.kernel_spec(TQCodec(preset, D), 16).mma
-        assert mma and (mma.keys, mma.vals) == fmt and not mma.store, preset
+        assert mma and (mma.keys, mma.vals) == fmt and mma.store, preset
     assert not _spec.kernel_spec(TQCodec("turboquant_k8v4", D), 16).mma
 
 

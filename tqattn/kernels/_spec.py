@@ -250,7 +250,7 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
         return None
     if keys == 2 and vals != 0:  # fp8 keys load in the row values' token order only
         return None
-    return MmaFormat(keys, vals, store=keys != 2 and m.pad_n == 0 and d == 128)
+    return MmaFormat(keys, vals, store=keys != 2 and m.pad_n == 0 and d in (128, 256))
 
 
 def _symmetric(centroids: torch.Tensor, sm: bool = False) -> bool:

@@ -75,7 +75,7 @@ second half's offset and twice the strides — scores K_a·Q_a + K_b·Q_b, two a
 value words together (the halves' words do not fit the registers a tile ahead;
 :func:`_loop256`), except in ``turboquant_k3v4_nc``'s format, where the next tile's words
 travel asynchronously into shared memory while a tile is computed (:func:`_loop256_copies`,
-:func:`_word`); no fused store.
+:func:`_word`); the step's new token stored by the kernel (rotated as the query is).
 Replayed on CPU in tests/kernels/test_mma_head256.py.
 
 Launch: one warp per (sequence, KV head, split); the split count fills exactly one wave of the
@@ -231,48 +231,86 @@ def _wht128(x, kk):
 
 
 @gluon.jit
-def _row_tok(ptr, row, kk):
-    """One 128-element row → fp32 [128] in _TOK, zeroed if non-finite, and that flag."""
+def _row_halves(ptr, row, kk, D: gl.constexpr):
+    """One D-element row (128 or 256) → its 128-element halves, fp32 in _TOK, all zeroed if any
+    element is non-finite, and that flag."""
     x = gl.load(ptr + row + kk).to(gl.float32)
-    bad = gl.max(((x != x) | (gl.abs(x) == float("inf"))).to(gl.int32), axis=0) > 0
-    return gl.where(bad, 0.0, x), bad
+    bad = _nonfinite(x)
+    if D == 256:
+        x2 = gl.load(ptr + row + 128 + kk).to(gl.float32)
+        bad = bad | _nonfinite(x2)
+        xs = (gl.where(bad, 0.0, x), gl.where(bad, 0.0, x2))
+    else:
+        xs = (gl.where(bad, 0.0, x),)
+    return xs, bad
 
 
 @gluon.jit
-def _lloyd_max(x, sgn_ptr, ftab_ptr, kk, LUT: gl.constexpr, BND: gl.constexpr,
-               BITS: gl.constexpr, FOLD: gl.constexpr, SM: gl.constexpr):
-    """Codes [128] of the row x rotated (R = diag(s)·H/√128, sgn_ptr: s/√128) and scaled to a
-    unit vector, and the norm to store: ‖x‖, or with FOLD ("nc") ‖x‖ / ‖ĉ‖ in fp64 as the
-    store kernel folds it. Boundaries / centroids at ftab_ptr + BND / + LUT; SM: 4-bit codes in
+def _nonfinite(x):
+    """Whether any element of x [128] is NaN or ±inf."""
+    return gl.max(((x != x) | (gl.abs(x) == float("inf"))).to(gl.int32), axis=0) > 0
+
+
+@gluon.jit
+def _lloyd_max(xs, sgn_ptr, ftab_ptr, kk, LUT: gl.constexpr, BND: gl.constexpr,
+               BITS: gl.constexpr, FOLD: gl.constexpr, SM: gl.constexpr, D: gl.constexpr):
+    """Codes [128] of each half of the row xs (:func:`_row_halves`) rotated (R = diag(s)·H/√D,
+    sgn_ptr: s/√D; at D = 256 H's halves are [H₁₂₈(a + b); H₁₂₈(a − b)]) and scaled to a unit
+    vector, and the norm to store: ‖x‖, or with FOLD ("nc") ‖x‖ / ‖ĉ‖ in fp64 as the store
+    kernel folds it. Boundaries / centroids at ftab_ptr + BND / + LUT; SM: 4-bit codes in
     sign-and-magnitude order."""
-    nrm = gl.sqrt_rn(gl.sum(x * x, axis=0))
-    y = _wht128(x * gl.load(sgn_ptr + kk), kk)
-    y = gl.div_rn(y, gl.zeros([128], gl.float32, layout=_TOK) + (nrm + 1e-8))
-    code = gl.zeros([128], gl.int32, layout=_TOK)
-    for i in gl.static_range((1 << BITS) - 1):
-        code += (y > gl.load(ftab_ptr + BND + i)).to(gl.int32)
-    if SM:  # sign-and-magnitude order (tqattn.quant.codec.sign_magnitude)
-        code = code ^ gl.where(code < 8, 7, 0)
+    if D == 256:
+        nrm = gl.sqrt_rn(gl.sum(xs[0] * xs[0], axis=0) + gl.sum(xs[1] * xs[1], axis=0))
+        a = xs[0] * gl.load(sgn_ptr + kk)
+        b = xs[1] * gl.load(sgn_ptr + 128 + kk)
+        ys = (_wht128(a + b, kk), _wht128(a - b, kk))
+    else:
+        nrm = gl.sqrt_rn(gl.sum(xs[0] * xs[0], axis=0))
+        ys = (_wht128(xs[0] * gl.load(sgn_ptr + kk), kk),)
+    den = gl.zeros([128], gl.float32, layout=_TOK) + (nrm + 1e-8)
+    codes = ()
+    for h in gl.static_range(D // 128):
+        y = gl.div_rn(ys[h], den)
+        code = gl.zeros([128], gl.int32, layout=_TOK)
+        for i in gl.static_range((1 << BITS) - 1):
+            code += (y > gl.load(ftab_ptr + BND + i)).to(gl.int32)
+        if SM:  # sign-and-magnitude order (tqattn.quant.codec.sign_magnitude)
+            code = code ^ gl.where(code < 8, 7, 0)
+        codes = codes + (code,)
     if FOLD:  # the centroids gathered from the (L1-resident) table
-        c = gl.load(ftab_ptr + LUT + code).to(gl.float64)
-        nrm = (nrm.to(gl.float64) / gl.sqrt(gl.sum(c * c, axis=0))).to(gl.float32)
-    return code, nrm
+        c = gl.load(ftab_ptr + LUT + codes[0]).to(gl.float64)
+        cc = gl.sum(c * c, axis=0)
+        if D == 256:
+            c = gl.load(ftab_ptr + LUT + codes[1]).to(gl.float64)
+            cc = cc + gl.sum(c * c, axis=0)
+        nrm = (nrm.to(gl.float64) / gl.sqrt(cc)).to(gl.float32)
+    return codes, nrm
 
 
 @gluon.jit
-def _uniform_codes(v, LEVELS: gl.constexpr):
-    """Uniform codes [128] of the row v on LEVELS + 1 levels, its scale and zero point."""
-    vmin = gl.min(v, axis=0)
-    scale = gl.maximum(gl.div_rn(gl.max(v, axis=0) - vmin, LEVELS * 1.0), 1e-8)
-    qv = gl.floor(gl.div_rn(v - vmin, gl.zeros([128], gl.float32, layout=_TOK) + scale) + 0.5)
-    return gl.minimum(gl.maximum(qv, 0.0), LEVELS * 1.0).to(gl.int32), scale, vmin
+def _uniform_codes(vs, LEVELS: gl.constexpr, D: gl.constexpr):
+    """Uniform codes [128] of each half of the row vs on LEVELS + 1 levels, its scale and zero
+    point."""
+    vmin = gl.min(vs[0], axis=0)
+    vmax = gl.max(vs[0], axis=0)
+    if D == 256:
+        vmin = gl.minimum(vmin, gl.min(vs[1], axis=0))
+        vmax = gl.maximum(vmax, gl.max(vs[1], axis=0))
+    scale = gl.maximum(gl.div_rn(vmax - vmin, LEVELS * 1.0), 1e-8)
+    codes = ()
+    for h in gl.static_range(D // 128):
+        qv = gl.floor(gl.div_rn(vs[h] - vmin, gl.zeros([128], gl.float32, layout=_TOK) + scale)
+                      + 0.5)
+        codes = codes + (gl.minimum(gl.maximum(qv, 0.0), LEVELS * 1.0).to(gl.int32),)
+    return codes, scale, vmin
 
 
 @gluon.jit
-def _store_words3(page, code, kk, lane, off, OFF: gl.constexpr, BS: gl.constexpr):
+def _store_words3(page, code, kk, lane, off, OFF: gl.constexpr, BS: gl.constexpr,
+                  WORDS: gl.constexpr):
     """3-bit codes [128] as 16 column-major words of 8 codes (codes 0-5 in nibbles, 6-7
-    bit-spread: tqattn.quant.paged): byte s of word g of token off at OFF + (16s + g)·BS + off.
-    A word spans lanes 2g and 2g + 1."""
+    bit-spread: tqattn.quant.paged) of a field of WORDS words: byte s of word g of token off at
+    OFF + (WORDS·s + g)·BS + off. A word spans lanes 2g and 2g + 1."""
     i8 = kk % 8
     spread = (code & 1) | ((code & 2) << 7) | ((code & 4) << 14)
     bits = gl.where(i8 < 6, code << (4 * i8), spread << gl.maximum(4 * i8 - 21, 0))
@@ -280,15 +318,28 @@ def _store_words3(page, code, kk, lane, off, OFF: gl.constexpr, BS: gl.constexpr
     word = half | _bfly(half, 1)
     kp = page + OFF + (lane // 2) * BS + off
     for sp in gl.static_range(3):
-        gl.store(kp + sp * 16 * BS, ((word >> (8 * sp)) & 255).to(gl.uint8), mask=lane % 2 == 0)
+        gl.store(kp + sp * WORDS * BS, ((word >> (8 * sp)) & 255).to(gl.uint8),
+                 mask=lane % 2 == 0)
 
 
 @gluon.jit
-def _store_row4(page, code, kk, off, OFF: gl.constexpr):
-    """4-bit codes [128] as token off's 64-byte row at OFF (coordinate 2j in byte j's low
-    nibble)."""
+def _store_row4(page, code, kk, off, OFF: gl.constexpr, ROW: gl.constexpr):
+    """4-bit codes [128] as 64 bytes of token off's ROW-byte row at OFF (coordinate 2j in byte
+    j's low nibble)."""
     pairs = gl.convert_layout(gl.sum(gl.reshape(code << (4 * (kk % 2)), [64, 2]), axis=1), _B64)
-    gl.store(page + OFF + 64 * off + gl.arange(0, 64, layout=_B64), pairs.to(gl.uint8))
+    gl.store(page + OFF + ROW * off + gl.arange(0, 64, layout=_B64), pairs.to(gl.uint8))
+
+
+@gluon.jit
+def _store_codes(page, codes, kk, lane, off, OFF: gl.constexpr, BS: gl.constexpr,
+                 CM: gl.constexpr, D: gl.constexpr):
+    """Each half's codes [128] of token off into the field at OFF: 3-bit column-major words
+    (CM; the second half from word 16 on) or 4-bit token rows (the second half from byte 64)."""
+    for h in gl.static_range(D // 128):
+        if CM:
+            _store_words3(page, codes[h], kk, lane, off, OFF + 16 * BS * h, BS, D // 8)
+        else:
+            _store_row4(page, codes[h], kk, off, OFF + 64 * h, D // 2)
 
 
 @gluon.jit
@@ -305,16 +356,16 @@ def _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_
                      VZ_OFF: gl.constexpr, K_LUT: gl.constexpr, K_BND: gl.constexpr,
                      V_LUT: gl.constexpr, V_BND: gl.constexpr, K_FOLD: gl.constexpr,
                      V_FOLD: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr,
-                     KSM: gl.constexpr, VSM: gl.constexpr):
+                     KSM: gl.constexpr, VSM: gl.constexpr, D: gl.constexpr):
     """STORE: encode sequence b's new token of KV head kvh into the page at slot_ptr[b] (negative:
     padding, nothing written) — the math of kernels/store.py, with the rotation as a
-    Walsh–Hadamard transform (R = diag(s)·H/√128; ksgn_ptr: s/√128) in fp32 instead of TF32
-    dots: codes can differ from the store kernel's where a coordinate sits on a bucket
+    Walsh–Hadamard transform (R = diag(s)·H/√D, D = 128 or 256; ksgn_ptr: s/√D) in fp32 instead
+    of TF32 dots: codes can differ from the store kernel's where a coordinate sits on a bucket
     boundary. Keys: 3-bit centroid codes in column-major words with folded norm (KEYS 0) or
     4-bit codes in token rows (KEYS 1); values: 4-bit uniform in token rows (VALS 0), rotated
     3-bit in column-major words with their norm (VALS 1), 3-bit uniform in column-major words
-    (VALS 2); non-finite rows store NaN norms / scales. One warp, 4 coordinates per lane.
-    PyTorch twin: :func:`store_new_token_ref`."""
+    (VALS 2); non-finite rows store NaN norms / scales. One warp, 4 coordinates of each 128-half
+    per lane. PyTorch twin: :func:`store_new_token_ref`."""
     slot = gl.load(slot_ptr + b).to(gl.int64)
     if slot >= 0:
         off = slot % BS
@@ -322,25 +373,19 @@ def _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_
         kk = gl.arange(0, 128, layout=_TOK)
         lane = gl.arange(0, 32, layout=_LANE)
         fp16p = (page + 2 * off).to(gl.pointer_type(gl.float16))
-        x, bad = _row_tok(kn_ptr, b.to(gl.int64) * skn_b + kvh * skn_h, kk)
-        v, vbad = _row_tok(vn_ptr, b.to(gl.int64) * svn_b + kvh * svn_h, kk)
+        x, bad = _row_halves(kn_ptr, b.to(gl.int64) * skn_b + kvh * skn_h, kk, D)
+        v, vbad = _row_halves(vn_ptr, b.to(gl.int64) * svn_b + kvh * svn_h, kk, D)
         # both rows encoded before any store: a store may alias the tables' loads, so the value
         # row's encode would otherwise wait behind the key's stores
-        code, kn = _lloyd_max(x, ksgn_ptr, ftab_ptr, kk, K_LUT, K_BND, 3 + KEYS, K_FOLD, KSM)
+        code, kn = _lloyd_max(x, ksgn_ptr, ftab_ptr, kk, K_LUT, K_BND, 3 + KEYS, K_FOLD, KSM, D)
         if VALS == 1 or VALS == 3:
             vcode, vnrm = _lloyd_max(v, ksgn_ptr, ftab_ptr, kk, V_LUT, V_BND, 3 + VALS // 3,
-                                     V_FOLD, VSM)
+                                     V_FOLD, VSM, D)
         else:
-            vcode, vnrm, vmin = _uniform_codes(v, 15 if VALS == 0 else 7)
-        if KEYS == 0:
-            _store_words3(page, code, kk, lane, off, K_OFF, BS)
-        else:
-            _store_row4(page, code, kk, off, K_OFF)
+            vcode, vnrm, vmin = _uniform_codes(v, 15 if VALS == 0 else 7, D)
+        _store_codes(page, code, kk, lane, off, K_OFF, BS, KEYS == 0, D)
         _store_scalar(fp16p, gl.where(bad, float("nan"), kn), lane, KN_OFF)
-        if VALS == 1 or VALS == 2:
-            _store_words3(page, vcode, kk, lane, off, V_OFF, BS)
-        else:
-            _store_row4(page, vcode, kk, off, V_OFF)
+        _store_codes(page, vcode, kk, lane, off, V_OFF, BS, VALS == 1 or VALS == 2, D)
         _store_scalar(fp16p, gl.where(vbad, float("nan"), vnrm), lane, VS_OFF)
         if VALS == 0 or VALS == 2:
             _store_scalar(fp16p, vmin, lane, VZ_OFF)
@@ -384,18 +429,18 @@ def _wht128_ref(x: torch.Tensor) -> torch.Tensor:
 
 def store_new_token_ref(spec, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                         slot_mapping: torch.Tensor) -> None:
-    """PyTorch twin of :func:`_store_new_token` (key/value (N, Hk, 128), one token per entry of
-    slot_mapping; negative slots store nothing): the same fp32 transform, codes and fp64
-    folding, packed by the page format's own packers, written into kv_cache in place."""
+    """PyTorch twin of :func:`_store_new_token` (key/value (N, Hk, D), D = 128 or 256, one token
+    per entry of slot_mapping; negative slots store nothing): the same fp32 transform, codes and
+    fp64 folding, packed by the page format's own packers, written into kv_cache in place."""
     m, fmt, kf, vf = spec.layout, spec.mma, spec.key_fields[0], spec.value_fields[0]
     if not fmt or not fmt.store:
         raise ValueError(f"{spec.codec.preset.name}: the tensor-core kernel does not store its "
                          f"tokens")
-    bs, tab = spec.block_size, spec.table.float()
-    sgn = torch.sign(spec.codec.rotation.float().cpu()[:, 0]) / 128 ** 0.5
+    bs, tab, d = spec.block_size, spec.table.float(), m.d
+    sgn = torch.sign(spec.codec.rotation.float().cpu()[:, 0]) / d ** 0.5
     keep = slot_mapping.cpu() >= 0
-    k = key.detach().float().cpu()[keep].reshape(-1, 128)
-    v = value.detach().float().cpu()[keep].reshape(-1, 128)
+    k = key.detach().float().cpu()[keep].reshape(-1, d)
+    v = value.detach().float().cpu()[keep].reshape(-1, d)
     hk = key.shape[1]
     slots = slot_mapping.cpu()[keep].repeat_interleave(hk)
     heads = torch.arange(hk).repeat(int(keep.sum()))
@@ -404,9 +449,15 @@ def store_new_token_ref(spec, key: torch.Tensor, value: torch.Tensor, kv_cache: 
         bad = ~torch.isfinite(x).all(1)
         return torch.where(bad[:, None], 0.0, x), bad
 
+    def wht(x):              # at 256: [H(a + b), H(a − b)] of the halves
+        if d == 128:
+            return _wht128_ref(x)
+        a, b = x[:, :128], x[:, 128:]
+        return torch.cat([_wht128_ref(a + b), _wht128_ref(a - b)], 1)
+
     def lloyd_max(x, lut, bnd, bits, fold, sm):
         nrm = x.square().sum(1).sqrt()
-        y = _wht128_ref(x * sgn) / (nrm + 1e-8)[:, None]
+        y = wht(x * sgn) / (nrm + 1e-8)[:, None]
         code = (y[:, :, None] > tab[bnd:bnd + (1 << bits) - 1]).sum(2)
         if sm:
             code = sign_magnitude(code)
@@ -432,14 +483,14 @@ def store_new_token_ref(spec, key: torch.Tensor, value: torch.Tensor, kv_cache: 
     def put(pos, data):      # pos, data (n, m): byte positions in each token's page
         flat[blk, hd, pos.to(dev)] = data.to(torch.uint8).to(dev)
 
-    def write3(off, code):   # byte s of word g at (16s + g)·BS: column-major sub-planes
-        w = page_word_bytes(code).reshape(-1, 16, 3)
-        g = torch.arange(16)
+    def write3(off, code):   # byte s of word g at (D/8·s + g)·BS: column-major sub-planes
+        w = page_word_bytes(code).reshape(-1, d // 8, 3)
+        g = torch.arange(d // 8)
         for sp in range(3):
-            put(off + (16 * sp + g) * bs + t[:, None], w[:, :, sp])
+            put(off + (d // 8 * sp + g) * bs + t[:, None], w[:, :, sp])
 
-    def write4(off, code):   # token rows of 64 bytes
-        put(off + 64 * t[:, None] + torch.arange(64), pack_bits(code, 4))
+    def write4(off, code):   # token rows of D/2 bytes
+        put(off + d // 2 * t[:, None] + torch.arange(d // 2), pack_bits(code, 4))
 
     def write16(off, x):
         put(off + 2 * t[:, None] + torch.arange(2),
@@ -1568,6 +1619,14 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         tau = 16 * ((rho % 8) // 2) + 2 * (rho // 8) + rho % 2
 
     if D == 256:
+        if STORE:
+            # the step's new token, stored by the last split (it reads the sequence's last tile
+            # last) before its tiles are loaded
+            if split == NUM_SPLITS - 1:
+                _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr,
+                                 ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
+                                 VS_OFF, VZ_OFF, K_LUT, K_BND, V_LUT, V_BND, K_FOLD, V_FOLD, KEYS,
+                                 VALS, KSM, VSM, D)
         hq = gl.arange(0, 8, layout=gl.SliceLayout(0, _OP_B))
         q_rows = b.to(gl.int64) * sq_r + (kvh * GROUP + hq) * sq_h
         if _async_256(KEYS, VALS):
@@ -1597,7 +1656,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                 _store_new_token(kn_ptr, skn_b, skn_h, vn_ptr, svn_b, svn_h, slot_ptr, ftab_ptr,
                                  ksgn_ptr, cache_ptr, sc_b, sc_h, b, kvh, BS, K_OFF, KN_OFF, V_OFF,
                                  VS_OFF, VZ_OFF, K_LUT, K_BND, V_LUT, V_BND, K_FOLD, V_FOLD, KEYS,
-                                 VALS, KSM, VSM)
+                                 VALS, KSM, VSM, D)
                 if t0 == n_tiles - 1:
                     kw, vw, sc = _load_tile(t0, _pages(t0, seq_len, bt_row, lane, BS, MAP), page0, lane,
                                             sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
@@ -1718,10 +1777,10 @@ def _args(spec, q, kv_cache, block_table, seq_lens, part, plse, out, lse, group,
             raise ValueError(f"new_kv: the tensor-core kernel does not store {spec.codec.preset.name} "
                              f"tokens (the store kernel runs first)")
         kn, vn, slots = new_kv
-        if kn.shape != (seq_lens.numel(), kv_cache.shape[1], 128) or vn.shape != kn.shape:
+        if kn.shape != (seq_lens.numel(), kv_cache.shape[1], m.d) or vn.shape != kn.shape:
             raise ValueError(f"new_kv: key/value {tuple(kn.shape)} / {tuple(vn.shape)}, expected "
                              f"one token per sequence ({seq_lens.numel()}, {kv_cache.shape[1]}, "
-                             f"128)")
+                             f"{m.d})")
         if kn.stride(-1) != 1 or vn.stride(-1) != 1:
             raise ValueError("new_kv: key/value need a contiguous last dimension")
         args += (kn, kn.stride(0), kn.stride(1), vn, vn.stride(0), vn.stride(1), slots,

@@ -217,7 +217,7 @@ def mma_layout(spec: KernelSpec) -> MmaFormat | None:
     ``turboquant_4bit_nc``, ``turboquant_3bit_nc``, ``tq_k4v3``, ``tq_k3v3``, ``tq_k4v4``,
     ``tq_k3v4`` — and, at head size 128, fp8 keys (unrotated, no rotation needed) with 4-bit
     uniform values: ``turboquant_k8v4``. The kernel stores a decode step's new token itself at
-    head size 128 (rotated keys, no padding)."""
+    head sizes 128 and 256 (rotated keys, no padding)."""
     m, kf, vf = spec.layout, spec.key_fields, spec.value_fields
     d = m.d
     if d not in MMA_HEAD_SIZES or len(kf) != 1 or len(vf) != 1 or m.k_nout:

@@ -23,10 +23,10 @@ Code → fp16 conversion: 3-bit codes (keys, tq or uniform values) and 4-bit uni
 through inline-asm register ``prmt`` tables (kernels/_asm.py) fed by int32 word loads; other
 widths through byte loads, shifts and centroid gathers (also the interpreter's path).
 
-Dispatch (kernels/step.py): the layouts of ``_spec.mma_layout`` (the main presets at head size
-128 and 64) at one row per sequence, no window / soft-cap go to the Gluon tensor-core kernel
-(kernels/decode_mma.py), which also stores a step's new K/V itself at head size 128; everything
-else runs this kernel, after the store kernel for new K/V. This kernel is latency-bound, well
+Dispatch (kernels/step.py): the layouts of ``_spec.mma_layout`` (the main presets at head sizes
+64, 128 and 256) at one row per sequence, no window / soft-cap go to the Gluon tensor-core
+kernel (kernels/decode_mma.py), which also stores a step's new K/V itself at head sizes 128 and
+256; everything else runs this kernel, after the store kernel for new K/V. This kernel is latency-bound, well
 below the copy bandwidth (bench/results/README.md).
 """
 

@@ -22,6 +22,10 @@
 #            one's GPU kernel tests matching $TESTS (default head256; - for none), then
 #            bench/decode.py on $SHAPES (default 8/4/256,4/1/256; B = 32, 16K, FA3 bf16 in each
 #            run) on main and the patched trees in turns; AB_MIN: the seconds a run needs left
+#   window_ab PATCH=bench/lab/pending/NAME.patch (sliding windows / soft-caps in the tensor-core
+#            decode): its GPU kernel tests matching $TESTS (default "window_softcap or options"),
+#            then bench/lab/window_decode.py (4/1/256 and 8/4/256, B = 32, 16K, windows 512 and
+#            1024, soft-cap 50) on main and the patched tree in turns
 #   ncu_ab   PATCH=bench/lab/pending/NAME.patch (a tensor-core decode change): Nsight Compute of
 #            $PRESET (default tq_k4v3) at $SHAPE (default 4/1/256), B = 32, 16K, on main and
 #            the patched tree: details (speed of light, warp states, instruction stats) and the
@@ -39,7 +43,7 @@
 #            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf.
 #            ITEM6="decode arith gsm8k tests" (the default) picks its parts
 set -u
-STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, ncu_ab, ncu_splits or item6}
+STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, window_ab, ncu_ab, ncu_splits or item6}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -123,6 +127,9 @@ decode_ab)
   AB_TIMEOUT=150 patch_ab decode "${TESTS:-head256}" ${AB_MIN:-100} bench/decode.py --shapes \
     ${SHAPES:-8/4/256,4/1/256} --batches 32 --contexts 16384 --no-extra \
     --presets turboquant_k3v4_nc,tq_k4v3 ;;
+window_ab)
+  AB_TIMEOUT=200 patch_ab window "${TESTS:-window_softcap or options}" ${AB_MIN:-120} \
+    bench/lab/window_decode.py --shapes ${SHAPES:-4/1/256,8/4/256} --windows 512,1024 --softcap 50 ;;
 ncu_ab)
   P=/tmp/patched1; patched_tree $P ${PATCH:?PATCH=bench/lab/pending/NAME.patch}
   for tree in $R $P; do

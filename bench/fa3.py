@@ -77,11 +77,16 @@ def _out(res, b):
     return res.view(b, *res.shape[2:])
 
 
-def decode_bf16(fa3, q, k_cache, v_cache, seq_lens, block_table) -> torch.Tensor:
-    """FA3 paged decode, bf16: q (B, Hq, D) → (B, Hq, D)."""
+def decode_bf16(fa3, q, k_cache, v_cache, seq_lens, block_table, window=None,
+                softcap=0.0) -> torch.Tensor:
+    """FA3 paged decode, bf16: q (B, Hq, D) → (B, Hq, D); window: attend to the last ``window``
+    keys (FA's left window excludes the query's own key); softcap: the logits' soft-cap."""
     b = q.shape[0]
+    extra = {"window_size": (window - 1, 0)} if window else {}
+    if softcap:
+        extra["softcap"] = softcap
     return _out(fa3(q.view(b, 1, *q.shape[1:]), k_cache, v_cache, cache_seqlens=seq_lens,
-                    page_table=block_table, causal=True), b)
+                    page_table=block_table, causal=True, **extra), b)
 
 
 def decode_fp8(fa3, inp: Fp8Inputs, seq_lens, block_table) -> torch.Tensor:

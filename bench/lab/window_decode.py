@@ -34,28 +34,26 @@ from tqattn.quant.paged import decode_attention_ref  # noqa: E402
 REF_ROWS = 2  # sequences the fp32 reference decodes (it reads whole caches)
 
 
-def case(timer, fa3, preset, hq, hk, d, b, length, window, softcap) -> dict:
-    q, k, v, bt = make_data(b, length, hq, hk, d)
-    codec = TQCodec(preset, d, device="cuda")
-    cache = fill_cache(codec, k, v, hk)
-    lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
-    fa3_us = fa3_note = None
-    if fa3 is not None:
-        try:
-            fa3_us = timer.graph_us(lambda: fa3_mod.decode_bf16(fa3, q, k, v, lens, bt, window,
-                                                                softcap))["us"]
-        except RuntimeError as e:  # tokenspeed-fa3 is built without soft-cap (tqattn env)
-            fa3_note = str(e).splitlines()[0][:200]
-    del k, v
+def fa3_us(timer, fa3, q, k, v, lens, bt, window, softcap) -> tuple:
+    """FA3 bf16 paged decode's µs with this window and soft-cap, or None and why not."""
+    if fa3 is None:
+        return None, "tokenspeed-fa3 not importable"
+    try:
+        return timer.graph_us(lambda: fa3_mod.decode_bf16(fa3, q, k, v, lens, bt, window,
+                                                          softcap))["us"], None
+    except RuntimeError as e:  # tokenspeed-fa3 is built without soft-cap (tqattn env)
+        return None, str(e).splitlines()[0][:200]
+
+
+def tq_case(timer, codec, q, cache, bt, lens, window, softcap) -> dict:
+    """The compressed cache's decode with this window and soft-cap: µs and the error against
+    the reference on the first REF_ROWS sequences."""
     kw = {"window": window or None, "softcap": softcap}
     out = decode_attention_triton(codec, q, cache, bt, lens, **kw)
     ref = decode_attention_ref(codec, q[:REF_ROWS], cache, bt[:REF_ROWS], lens[:REF_ROWS], **kw)
     err = ((out[:REF_ROWS].float() - ref).norm() / ref.norm()).item()
     us = timer.graph_us(lambda: decode_attention_triton(codec, q, cache, bt, lens, **kw))["us"]
-    return {"preset": preset, "shape": f"{hq}/{hk}/{d}", "B": b, "L": length, "window": window,
-            "softcap": softcap, "us": us, "fa3_bf16_us": fa3_us,
-            "x_fa3": us / fa3_us if fa3_us else None, "fa3_note": fa3_note,
-            "rel_err_vs_ref": err}
+    return {"us": us, "rel_err_vs_ref": err}
 
 
 def main():
@@ -70,18 +68,31 @@ def main():
     args = ap.parse_args()
     timer = Timer()
     fa3 = fa3_mod.load()
+    windows = [int(w) for w in args.windows.split(",")]
+    runs = [(0, 0.0)] + [(w, 0.0) for w in windows] + [(w, args.softcap) for w in windows]
+    b, length = args.batch, args.context
     rows = []
     for shape in args.shapes.split(","):
         hq, hk, d = (int(x) for x in shape.split("/"))
-        for preset in args.presets.split(","):
-            runs = [(0, 0.0)] + [(int(w), 0.0) for w in args.windows.split(",")] + \
-                [(int(w), args.softcap) for w in args.windows.split(",")]
+        q, k, v, bt = make_data(b, length, hq, hk, d)
+        lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+        base = {run: fa3_us(timer, fa3, q, k, v, lens, bt, *run) for run in runs}
+        codecs = [TQCodec(p, d, device="cuda") for p in args.presets.split(",")]
+        caches = [fill_cache(codec, k, v, hk) for codec in codecs]
+        del k, v
+        for codec, cache in zip(codecs, caches):
+            preset = codec.preset.name
             for window, softcap in runs:
-                r = case(timer, fa3, preset, hq, hk, d, args.batch, args.context, window,
-                         softcap)
+                fa3_time, fa3_note = base[(window, softcap)]
+                r = {"preset": preset, "shape": shape, "B": b, "L": length, "window": window,
+                     "softcap": softcap,
+                     **tq_case(timer, codec, q, cache, bt, lens, window, softcap),
+                     "fa3_bf16_us": fa3_time, "fa3_note": fa3_note}
+                r["x_fa3"] = r["us"] / fa3_time if fa3_time else None
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-                torch.cuda.empty_cache()
+        del caches
+        torch.cuda.empty_cache()
     env = {**environment(), "command": "python3 " + " ".join(sys.argv)}
     with open(args.out, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)

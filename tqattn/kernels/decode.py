@@ -26,8 +26,8 @@ widths through byte loads, shifts and centroid gathers (also the interpreter's p
 Dispatch (kernels/step.py): the layouts of ``_spec.mma_layout`` (the main presets at head sizes
 64, 128 and 256) at one row per sequence, no window / soft-cap go to the Gluon tensor-core
 kernel (kernels/decode_mma.py), which also stores a step's new K/V itself at head sizes 128 and
-256; everything else runs this kernel, after the store kernel for new K/V. This kernel is latency-bound, well
-below the copy bandwidth (bench/results/README.md).
+256; everything else runs this kernel, after the store kernel for new K/V. This kernel is
+latency-bound, well below the copy bandwidth (bench/results/README.md).
 """
 
 from __future__ import annotations

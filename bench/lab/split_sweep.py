@@ -10,8 +10,8 @@ programs), timed as bench/decode.py times it (CUDA-graph replay, L2 flushed, med
 ``--maxnreg 255,168,128``: each sweep again with the kernel's register cap at each value (more
 resident programs per SM, at the price of spills; the default split count follows the cap).
 ``--l2-ahead N``: the tiles ahead whose blocks the loop prefetches into L2 (``L2_AHEAD_64``,
-``L2_AHEAD_128``, ``L2_AHEAD_256``: every head size), set before the first launch compiles the
-kernel (one value per process).
+``L2_AHEAD_128``: head sizes 64 and 128; head 256 picks its own, ``_loop256``), set before the
+first launch compiles the kernel (one value per process).
 """
 
 from __future__ import annotations
@@ -65,12 +65,12 @@ def main() -> None:
     ap.add_argument("--maxnreg", default=str(decode_mma.MAXNREG),
                     help="comma list of register caps of the tensor-core kernel")
     ap.add_argument("--l2-ahead", type=int, default=None,
-                    help="decode_mma.L2_AHEAD_64/_128/_256 for this process (default: the product's)")
+                    help="decode_mma.L2_AHEAD_64/_128 for this process (default: the product's)")
     ap.add_argument("--out", default="split_sweep.json")
     args = ap.parse_args()
     if args.l2_ahead is not None:
         from triton.experimental.gluon import language as gl
-        for d in (64, 128, 256):
+        for d in (64, 128):
             setattr(decode_mma, f"L2_AHEAD_{d}", gl.constexpr(args.l2_ahead))
     env = {**environment(), "command": "python3 " + " ".join(sys.argv), "sms": num_sms("cuda")}
     print(json.dumps(env), flush=True)

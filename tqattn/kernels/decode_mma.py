@@ -86,7 +86,7 @@ faster than the younger, so programs take their (group, split) by arrival, the o
 first, and an older program's range is SPLIT_WEIGHTS times a younger one's. The words of the
 next tile are loaded while a tile is computed (≤ 255 registers: 8 programs per SM), and the
 blocks of a coming tile are prefetched into L2 (which one depends on the head size: L2_AHEAD_64,
-L2_AHEAD_128, L2_AHEAD_256). Measurements behind these choices:
+L2_AHEAD_128; at 256, :func:`_loop256`). Measurements behind these choices:
 bench/results/README.md.
 """
 from __future__ import annotations
@@ -1442,33 +1442,38 @@ def _merge_group(po_ptr, plse_ptr, out_ptr, lse_ptr, b, kvh, spo_r, spo_h, spo_s
 
 @gluon.jit
 def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab, tabv, tau,
-             page0, lane, sc_b, sc_h, BS: gl.constexpr, K_OFF: gl.constexpr,
+             page0, lane, sc_b, sc_h, alone, BS: gl.constexpr, K_OFF: gl.constexpr,
              KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
              VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr, MAP: gl.constexpr,
              KSM: gl.constexpr):
     """A split's tiles at head size 256: both halves' words do not fit the registers beside
     the halves' accumulators a tile ahead (the next tile's key words alone spill), so each tile
-    loads its own key and value words, both in flight at once, after an L2 prefetch of the
-    blocks L2_AHEAD_256 tiles ahead. Returns the softmax state and the
-    accumulators [128, 8] of the halves."""
+    loads its own key and value words, both in flight at once. Alone on its SM scheduler
+    (alone: no other program hides its load latency), the next tile's blocks are prefetched into
+    L2 while a tile is computed; else each tile's, just before its loads. Returns the softmax
+    state and the accumulators [128, 8] of the halves."""
     qb = _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS, 256)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
     l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
     z_p = l_p
     acc = (gl.zeros([128, 8], gl.float32, layout=_MMA), gl.zeros([128, 8], gl.float32, layout=_MMA))
     pages = _pages(t0, seq_len, bt_row, lane, BS, MAP)
-    pf = _l2_page(t0 + L2_AHEAD_256, t1, seq_len, bt_row, lane, BS)
+    nx = alone.to(gl.int32)  # the tile ahead of the loads whose blocks are prefetched
+    _l2_prefetch(gl.where(alone, _l2_page(t0, t1, seq_len, bt_row, lane, BS), -1), page0, sc_b,
+                 sc_h, lane, BS, 256)
+    pf = _l2_page(t0 + nx, t1, seq_len, bt_row, lane, BS)
     for t in range(t0, t1):
-        _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, 256)
+        _l2_prefetch(gl.where(alone, -1, pf), page0, sc_b, sc_h, lane, BS, 256)
         # every tile masked: a compare per row, and the last, partial tile needs no own code
         kw, skn = _load_k(t, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, 256)
         vw, svs, svz = _load_v(t, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS, 256)
         gl.thread_barrier()
+        _l2_prefetch(gl.where(alone, pf, -1), page0, sc_b, sc_h, lane, BS, 256)
         s = _scores(kw, skn, t, seq_len, qb, tab, tau, True, KEYS, MAP, 256, KSM)
         pages = _pages(t + 1, seq_len, bt_row, lane, BS, MAP)
         m_i, l_p, z_p, acc = _attend(s, vw, svs, svz, t, seq_len, m_i, l_p, z_p, acc, tau, tabv,
                                      True, VALS, MAP, 256)
-        pf = _l2_page(t + 1 + L2_AHEAD_256, t1, seq_len, bt_row, lane, BS)
+        pf = _l2_page(t + 1 + nx, t1, seq_len, bt_row, lane, BS)
     return m_i, l_p, z_p, acc
 
 
@@ -1543,9 +1548,6 @@ def _async_256(KEYS, VALS):
 L2_AHEAD_64 = gl.constexpr(2)
 # head 128 (twice head 64's bytes a tile): the tile whose words the loop loads next, measured fastest
 L2_AHEAD_128 = gl.constexpr(1)
-# head 256 loads each tile's words in its own iteration: the prefetch of that tile's blocks just
-# before its loads measured faster than any tile further ahead, or none
-L2_AHEAD_256 = gl.constexpr(0)
 
 
 # split-count-dependent arguments and the block-table width are not specialised: every split
@@ -1635,10 +1637,12 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
                                                  sc_b, sc_h, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
                                                  VZ_OFF, KEYS, VALS, MAP, KSM)
         else:
+            # at most one program per SM scheduler (OLDER_PER_SM a SM): n_older counts them all
+            alone = groups * NUM_SPLITS <= n_older
             m_i, l_p, z_p, acc = _loop256(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, t0, t1,
                                           seq_len, bt_row, tab, tabv, tau, page0, lane, sc_b,
-                                          sc_h, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF, KEYS,
-                                          VALS, MAP, KSM)
+                                          sc_h, alone, BS, K_OFF, KN_OFF, V_OFF, VS_OFF, VZ_OFF,
+                                          KEYS, VALS, MAP, KSM)
     else:
         # the first tile's words are loaded first, the query rotated while they are in flight; the
         # page indices run a tile ahead of the words, so a block-table miss never waits in line

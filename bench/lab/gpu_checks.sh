@@ -28,8 +28,9 @@
 #            1024, soft-cap 50) on main and the patched tree in turns
 #   alone_sweep PATCH=bench/lab/pending/head256_l2_alone_ahead.patch: its GPU kernel tests matching
 #            $TESTS (default head256), then bench/lab/split_sweep.py at $HEADS (default 4/1/256),
-#            B = 32, 16K, 16 splits (one program per SM scheduler) on main and on the patched tree
-#            at each L2_ALONE_256 of $ALONE (default 1 2 3; --l2-alone, one process each), in turns
+#            B = 32, 16K, at the default split count and at $SPLITS (default 8,12,16: at most one
+#            program per SM scheduler), on main and on the patched tree at each L2_ALONE_256 of
+#            $ALONE (default 1 2 3; --l2-alone, one process each), in turns
 #   ncu_ab   PATCH=bench/lab/pending/NAME.patch (a tensor-core decode change): Nsight Compute of
 #            $PRESET (default tq_k4v3) at $SHAPE (default 4/1/256), B = 32, 16K, on main and
 #            the patched tree: details (speed of light, warp states, instruction stats) and the
@@ -143,8 +144,8 @@ alone_sweep)
     [ $(left) -lt 60 ] && break
     tree=$P; extra="--l2-alone $a"; [ $a = main ] && { tree=$R; extra=; }
     PYTHONPATH=$tree:/tmp/fa3 timeout 90 python3 $tree/bench/lab/split_sweep.py --presets \
-      turboquant_k3v4_nc,tq_k4v3 --heads ${HEADS:-4/1/256} --shapes 32x16384-16384 --splits 16 \
-      $extra --out $OUT/alone_${a}_$turn.json > $OUT/alone_${a}_$turn.log 2>&1
+      turboquant_k3v4_nc,tq_k4v3 --heads ${HEADS:-4/1/256} --shapes 32x16384-16384 \
+      --splits ${SPLITS:-8,12,16} $extra --out $OUT/alone_${a}_$turn.json > $OUT/alone_${a}_$turn.log 2>&1
     tail -2 $OUT/alone_${a}_$turn.log
   done; done ;;
 ncu_ab)

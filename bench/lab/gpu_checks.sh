@@ -31,6 +31,11 @@
 #            B = 32, 16K, at the default split count and at $SPLITS (default 8,12,16: at most one
 #            program per SM scheduler), on main and on the patched tree at each L2_ALONE_256 of
 #            $ALONE (default 1 2 3; --l2-alone, one process each), in turns
+#   parts    where head 256's register-load loop (tq_k4v3's format) spends its time:
+#            bench/lab/probes/head256_parts.patch applied, bench/lab/split_sweep.py --lab-part P
+#            for P = 0 (the loop), 1 (its loads alone), 2 (its computation alone, tile t0's words
+#            from L1 each time), one process each, two turns, at each of $HEADS (default 4/1/256
+#            8/4/256), B = 32, 16K, the default split count
 #   ncu_ab   PATCH=bench/lab/pending/NAME.patch (a tensor-core decode change): Nsight Compute of
 #            $PRESET (default tq_k4v3) at $SHAPE (default 4/1/256), B = 32, 16K, on main and
 #            the patched tree: details (speed of light, warp states, instruction stats) and the
@@ -48,7 +53,7 @@
 #            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf.
 #            ITEM6="decode arith gsm8k tests" (the default) picks its parts
 set -u
-STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, window_ab, alone_sweep, ncu_ab, ncu_splits or item6}
+STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, window_ab, alone_sweep, parts, ncu_ab, ncu_splits or item6}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -148,6 +153,16 @@ alone_sweep)
       --splits ${SPLITS:-8,12,16} $extra --out $OUT/alone_${a}_$turn.json > $OUT/alone_${a}_$turn.log 2>&1
     tail -2 $OUT/alone_${a}_$turn.log
   done; done ;;
+parts)
+  P=/tmp/patched1; patched_tree $P bench/lab/probes/head256_parts.patch
+  for turn in 1 2; do for h in ${HEADS:-4/1/256 8/4/256}; do for part in 0 1 2; do
+    [ $(left) -lt 50 ] && break
+    tag=parts_${h//\//_}_p${part}_$turn
+    PYTHONPATH=$P:/tmp/fa3 timeout 90 python3 $P/bench/lab/split_sweep.py --presets tq_k4v3 \
+      --heads $h --shapes 32x16384-16384 --splits 16 --lab-part $part --out $OUT/$tag.json \
+      > $OUT/$tag.log 2>&1
+    tail -1 $OUT/$tag.log
+  done; done; done ;;
 ncu_ab)
   P=/tmp/patched1; patched_tree $P ${PATCH:?PATCH=bench/lab/pending/NAME.patch}
   for tree in $R $P; do

@@ -36,6 +36,9 @@
 #            for P = 0 (the loop), 1 (its loads alone), 2 (its computation alone, tile t0's words
 #            from L1 each time), one process each, two turns, at each of $HEADS (default 4/1/256
 #            8/4/256), B = 32, 16K, the default split count
+#   loads    bench/lab/load_patterns.py: head-256 pages read by one-warp programs on the decode's
+#            grid (4/1/256 and 8/4/256, B = 32, 16K), nothing computed: register loads, with the
+#            L2 prefetch, two tiles in flight, and TMA copies into shared memory 1-4 tiles deep
 #   ncu_ab   PATCH=bench/lab/pending/NAME.patch (a tensor-core decode change): Nsight Compute of
 #            $PRESET (default tq_k4v3) at $SHAPE (default 4/1/256), B = 32, 16K, on main and
 #            the patched tree: details (speed of light, warp states, instruction stats) and the
@@ -53,7 +56,7 @@
 #            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf.
 #            ITEM6="decode arith gsm8k tests" (the default) picks its parts
 set -u
-STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, window_ab, alone_sweep, parts, ncu_ab, ncu_splits or item6}
+STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, window_ab, alone_sweep, parts, loads, ncu_ab, ncu_splits or item6}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -163,6 +166,10 @@ parts)
       > $OUT/$tag.log 2>&1
     tail -1 $OUT/$tag.log
   done; done; done ;;
+loads)
+  timeout $(left) python3 bench/lab/load_patterns.py --out $OUT/load_patterns.json \
+    > $OUT/load_patterns.log 2>&1
+  tail -16 $OUT/load_patterns.log | cut -c1-200 ;;
 ncu_ab)
   P=/tmp/patched1; patched_tree $P ${PATCH:?PATCH=bench/lab/pending/NAME.patch}
   for tree in $R $P; do

@@ -1,5 +1,5 @@
-"""Offline (sm_90, no GPU): can a page-linear shared-memory tile — as TMA copies would leave it —
-hand each lane its words in the decode's register order with one load (issue 27)?
+"""Offline (sm_90, no GPU): can a page-linear shared-memory tile, as TMA copies would leave it,
+hand each lane its words in the decode's register order with one load a region (issue 27)?
 
 Gluon 3.6 has no shared-memory gather, but a lane's words in a page region are affine in its
 lane bits with power-of-two strides. ``tq_k4v3``'s head-256 key words of a 4-page tile

@@ -39,6 +39,7 @@
 #   loads    bench/lab/load_patterns.py: head-256 pages read by one-warp programs on the decode's
 #            grid (4/1/256 and 8/4/256, B = 32, 16K), nothing computed: register loads, with the
 #            L2 prefetch, two tiles in flight, and TMA copies into shared memory 1-4 tiles deep
+#            (four pieces a page, or one 4 KB copy)
 #   ncu_ab   PATCH=bench/lab/pending/NAME.patch (a tensor-core decode change): Nsight Compute of
 #            $PRESET (default tq_k4v3) at $SHAPE (default 4/1/256), B = 32, 16K, on main and
 #            the patched tree: details (speed of light, warp states, instruction stats) and the

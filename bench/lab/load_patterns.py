@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.common import Timer, copy_bandwidth_gbs, environment  # noqa: E402
+from tqattn.kernels import decode_mma  # noqa: E402
 from tqattn.quant.codec import TQCodec  # noqa: E402
 from tqattn.quant.paged import kv_cache_shape  # noqa: E402
 
@@ -77,61 +78,49 @@ def _page_words(page_ptr, NROWS: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_page(page_ptr, PAGE: gl.constexpr):
-    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-    off = 128 * lane
-    gl.inline_asm_elementwise("{ .reg .pred p; setp.lt.s32 p, $2, $3; mov.u32 $0, 0; "
-                              "@p prefetch.global.L2 [$1]; }", "=r,l,r,r",
-                              [page_ptr + off.to(gl.int64), off, gl.full([32], PAGE, gl.int32,
-                               layout=gl.BlockedLayout([1], [32], [1], [0]))],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _ldg_kernel(cache_ptr, sc_b, sc_h, bt_ptr, sbt, seq_len, out_ptr, HK: gl.constexpr,
-                SPLITS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr):
-    """MODE 0: a tile's pages loaded, then folded; 1: and the next tile's prefetched into L2
-    meanwhile; 2: the next tile's pages loaded before a tile is folded."""
-    g = gl.program_id(0)
-    b = g // HK
-    base = cache_ptr + (g % HK).to(gl.int64) * sc_h
-    bt_row = bt_ptr + b.to(gl.int64) * sbt
-    t0, t1 = _split_tiles(seq_len // (PAGES * BS), SPLITS)
-    NROWS: gl.constexpr = PAGE // 16
-    acc = gl.zeros([ROWS, 4], gl.int32, layout=_ROWS)
-    if MODE == 2:
-        nxt = ()
-        for i in gl.static_range(PAGES):
-            pg = gl.load(bt_row + t0 * PAGES + i)
-            nxt = nxt + (_page_words(base + pg.to(gl.int64) * sc_b, NROWS),)
-    for t in range(t0, t1):
-        if MODE == 2:
-            cur = nxt
-            nxt = ()
-            for i in gl.static_range(PAGES):
-                tn = gl.minimum(t + 1, t1 - 1)
-                pg = gl.load(bt_row + tn * PAGES + i)
-                nxt = nxt + (_page_words(base + pg.to(gl.int64) * sc_b, NROWS),)
-        else:
-            cur = ()
-            for i in gl.static_range(PAGES):
-                pg = gl.load(bt_row + t * PAGES + i)
-                cur = cur + (_page_words(base + pg.to(gl.int64) * sc_b, NROWS),)
-            if MODE == 1:
-                for i in gl.static_range(PAGES):
-                    pg = gl.load(bt_row + gl.minimum(t + 1, t1 - 1) * PAGES + i)
-                    _prefetch_page(base + pg.to(gl.int64) * sc_b, PAGE)
-        for i in gl.static_range(PAGES):
-            acc = acc ^ cur[i]
-    gl.store(out_ptr + g * SPLITS + gl.program_id(1), gl.sum(gl.sum(acc, axis=1), axis=0))
-
-
-@gluon.jit
 def _tile_pages(bt_row, t, t1):
     """The page indices of tile t (of the split's last tile past t1): four independent loads."""
     tt = gl.minimum(t, t1 - 1) * PAGES
     return (gl.load(bt_row + tt), gl.load(bt_row + tt + 1), gl.load(bt_row + tt + 2),
             gl.load(bt_row + tt + 3))
+
+
+@gluon.jit
+def _tile_words(base, sc_b, pages, NROWS: gl.constexpr):
+    """The 4 pages' words (:func:`_page_words`) of a tile."""
+    ws = ()
+    for i in gl.static_range(PAGES):
+        ws = ws + (_page_words(base + pages[i].to(gl.int64) * sc_b, NROWS),)
+    return ws
+
+
+@gluon.jit
+def _ldg_kernel(cache_ptr, sc_b, sc_h, bt_ptr, sbt, seq_len, out_ptr, HK: gl.constexpr,
+                SPLITS: gl.constexpr, PAGE: gl.constexpr, MODE: gl.constexpr):
+    """MODE 0: a tile's pages loaded, then folded; 1: and the next tile's blocks prefetched into
+    L2 meanwhile, as the decode's head-256 loop does alone on its scheduler; 2: the next tile's
+    pages loaded before a tile is folded."""
+    g = gl.program_id(0)
+    base = cache_ptr + (g % HK).to(gl.int64) * sc_h
+    bt_row = bt_ptr + (g // HK).to(gl.int64) * sbt
+    t0, t1 = _split_tiles(seq_len // (PAGES * BS), SPLITS)
+    NROWS: gl.constexpr = PAGE // 16
+    lane = gl.arange(0, 32, layout=decode_mma._LANE)
+    acc = gl.zeros([ROWS, 4], gl.int32, layout=_ROWS)
+    if MODE == 2:
+        nxt = _tile_words(base, sc_b, _tile_pages(bt_row, t0, t1), NROWS)
+    for t in range(t0, t1):
+        if MODE == 2:
+            cur = nxt
+            nxt = _tile_words(base, sc_b, _tile_pages(bt_row, t + 1, t1), NROWS)
+        else:
+            cur = _tile_words(base, sc_b, _tile_pages(bt_row, t, t1), NROWS)
+            if MODE == 1:
+                decode_mma._l2_prefetch(decode_mma._l2_page(t + 1, t1, seq_len, bt_row, lane, BS),
+                                        base, sc_b, sc_h, lane, BS, 256)
+        for i in gl.static_range(PAGES):
+            acc = acc ^ cur[i]
+    gl.store(out_ptr + g * SPLITS + gl.program_id(1), gl.sum(gl.sum(acc, axis=1), axis=0))
 
 
 @gluon.jit

@@ -58,6 +58,19 @@ _FILL = gl.constexpr(gl.BlockedLayout([1, 16], [1, 32], [1, 1], [1, 0]))
 
 
 @gluon.jit
+def _words(x, N: gl.constexpr):
+    """The [32] words of x [32, 2, .., 2] (N trailing dimensions of 2), split off last first."""
+    ws = (x,)
+    for _ in gl.static_range(N):
+        nw = ()
+        for i in gl.static_range(len(ws)):
+            a, b = gl.split(ws[i])
+            nw = nw + (a, b)
+        ws = nw
+    return ws
+
+
+@gluon.jit
 def _words_kernel(src_ptr, out_ptr, VALUES: gl.constexpr):
     smem = gl.allocate_shared_memory(gl.int64, [4, 512], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     r = gl.arange(0, 4, layout=gl.SliceLayout(1, _FILL))
@@ -68,13 +81,7 @@ def _words_kernel(src_ptr, out_ptr, VALUES: gl.constexpr):
     # [slot, m2, m1, m0, lane2, half, lane1, lane0, pair] → [lane..., half, m2, m1, m0, pair]
     x = gl.reshape(gl.permute(gl.reshape(x, [4, 2, 2, 2, 2, 2, 2, 2, 2]),
                               [0, 4, 6, 7, 5, 1, 2, 3, 8]), [32, 2, 2, 2, 2, 2])
-    ws = (x,)
-    for _ in gl.static_range(5):  # split off the last dimension: pair, m0, m1, m2, half
-        nw = ()
-        for i in gl.static_range(len(ws)):
-            a, b = gl.split(ws[i])
-            nw = nw + (a, b)
-        ws = nw
+    ws = _words(x, 5)  # the last dimensions split off: pair, m0, m1, m2, half
     acc = gl.zeros([32], gl.int64, layout=_LANE)
     for i in gl.static_range(len(ws)):
         acc = acc * 3 + gl.convert_layout(ws[i], _LANE)
@@ -86,16 +93,7 @@ def _words_kernel(src_ptr, out_ptr, VALUES: gl.constexpr):
         v2 = smem.slice(384, 64, dim=1).load(VALUE_PLANE2)
         v2 = gl.reshape(gl.permute(gl.reshape(v2, [2, 2, 2, 2, 2, 2, 2, 2]),
                                    [4, 5, 6, 0, 1, 2, 3, 7]), [32, 2, 2, 2])
-        ws = (v, v2)
-        for _ in gl.static_range(4):
-            nw = ()
-            for i in gl.static_range(len(ws)):
-                if len(ws[i].shape) > 1:
-                    a, b = gl.split(ws[i])
-                    nw = nw + (a, b)
-                else:
-                    nw = nw + (ws[i],)
-            ws = nw
+        ws = _words(v, 4) + _words(v2, 3)
         for i in gl.static_range(len(ws)):
             acc = acc * 5 + gl.convert_layout(ws[i], _LANE)
         for k in gl.static_range(2):  # the planes' words, as the broadcast layout holds them

@@ -26,11 +26,6 @@
 #            decode): its GPU kernel tests matching $TESTS (default "window_softcap or options"),
 #            then bench/lab/window_decode.py (4/1/256 and 8/4/256, B = 32, 16K, windows 512 and
 #            1024, soft-cap 50) on main and the patched tree in turns
-#   alone_sweep PATCH=bench/lab/pending/head256_l2_alone_ahead.patch: its GPU kernel tests matching
-#            $TESTS (default head256), then bench/lab/split_sweep.py at $HEADS (default 4/1/256),
-#            B = 32, 16K, at the default split count and at $SPLITS (default 8,12,16: at most one
-#            program per SM scheduler), on main and on the patched tree at each L2_ALONE_256 of
-#            $ALONE (default 1 2 3; --l2-alone, one process each), in turns
 #   parts    where head 256's register-load loop (tq_k4v3's format) spends its time:
 #            bench/lab/probes/head256_parts.patch applied, bench/lab/split_sweep.py --lab-part P
 #            for P = 0 (the loop), 1 (its loads alone), 2 (its computation alone, tile t0's words
@@ -57,7 +52,7 @@
 #            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf.
 #            ITEM6="decode arith gsm8k tests" (the default) picks its parts
 set -u
-STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, window_ab, alone_sweep, parts, loads, ncu_ab, ncu_splits or item6}
+STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, window_ab, parts, loads, ncu_ab, ncu_splits or item6}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -144,19 +139,6 @@ decode_ab)
 window_ab)
   AB_TIMEOUT=200 patch_ab window "${TESTS:-window_softcap or options}" ${AB_MIN:-120} \
     bench/lab/window_decode.py --shapes ${SHAPES:-4/1/256,8/4/256} --windows 512,1024 --softcap 50 ;;
-alone_sweep)
-  P=/tmp/patched1; patched_tree $P ${PATCH:?PATCH=bench/lab/pending/NAME.patch}
-  (cd $P && PYTHONPATH=$P:/tmp/fa3 timeout 200 python3 -m pytest -m gpu -p no:warnings -rA -n 8 \
-     -k "${TESTS:-head256}" tests/kernels/test_kernels_gpu.py > $OUT/gpu_tests_alone_patch.log 2>&1)
-  tail -1 $OUT/gpu_tests_alone_patch.log
-  for turn in 1 2; do for a in main ${ALONE:-1 2 3}; do
-    [ $(left) -lt 60 ] && break
-    tree=$P; extra="--l2-alone $a"; [ $a = main ] && { tree=$R; extra=; }
-    PYTHONPATH=$tree:/tmp/fa3 timeout 90 python3 $tree/bench/lab/split_sweep.py --presets \
-      turboquant_k3v4_nc,tq_k4v3 --heads ${HEADS:-4/1/256} --shapes 32x16384-16384 \
-      --splits ${SPLITS:-8,12,16} $extra --out $OUT/alone_${a}_$turn.json > $OUT/alone_${a}_$turn.log 2>&1
-    tail -2 $OUT/alone_${a}_$turn.log
-  done; done ;;
 parts)
   P=/tmp/patched1; patched_tree $P bench/lab/probes/head256_parts.patch
   for turn in 1 2; do for h in ${HEADS:-4/1/256 8/4/256}; do for part in 0 1 2; do

@@ -35,6 +35,9 @@
 #            grid (4/1/256 and 8/4/256, B = 32, 16K), nothing computed: register loads, with the
 #            L2 prefetch, two tiles in flight, and TMA copies into shared memory 1-4 tiles deep
 #            (four pieces a page, or one 4 KB copy)
+#   rates    bench/lab/alu_rates.py: warp instructions a cycle per SM of PRMT, LOP3, SHF, IMAD,
+#            FFMA and HFMA2 alone (8 independent chains a warp, 1-16 one-warp programs per SM):
+#            whether the head-256 loop's PRMT-heavy computation is bound by an issue rate
 #   ncu_ab   PATCH=bench/lab/pending/NAME.patch (a tensor-core decode change): Nsight Compute of
 #            $PRESET (default tq_k4v3) at $SHAPE (default 4/1/256), B = 32, 16K, on main and
 #            the patched tree: details (speed of light, warp states, instruction stats) and the
@@ -52,7 +55,7 @@
 #            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf.
 #            ITEM6="decode arith gsm8k tests" (the default) picks its parts
 set -u
-STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, window_ab, parts, loads, ncu_ab, ncu_splits or item6}
+STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, window_ab, parts, loads, rates, ncu_ab, ncu_splits or item6}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -153,6 +156,9 @@ loads)
   timeout $(left) python3 bench/lab/load_patterns.py --out $OUT/load_patterns.json \
     > $OUT/load_patterns.log 2>&1
   tail -16 $OUT/load_patterns.log | cut -c1-200 ;;
+rates)
+  timeout $(left) python3 bench/lab/alu_rates.py --out $OUT/alu_rates.json > $OUT/alu_rates.log 2>&1
+  tail -30 $OUT/alu_rates.log | cut -c1-200 ;;
 ncu_ab)
   P=/tmp/patched1; patched_tree $P ${PATCH:?PATCH=bench/lab/pending/NAME.patch}
   for tree in $R $P; do

@@ -78,7 +78,7 @@ def _rate_kernel(out_ptr, cyc_ptr, iters, ASM: tl.constexpr):
             x7 = _step(x7, y, s, ASM)
     t1 = _clock()
     tl.store(out_ptr + seed, x0 ^ x1 ^ x2 ^ x3 ^ x4 ^ x5 ^ x6 ^ x7)
-    tl.store(cyc_ptr + tl.program_id(0) + lane * 0, t1 - t0, mask=lane == 0)
+    tl.store(cyc_ptr + tl.program_id(0), t1 - t0)
 
 
 def measure(op: str, per_sm: int, sms: int, iters: int) -> dict:

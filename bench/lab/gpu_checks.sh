@@ -30,7 +30,7 @@
 #            bench/lab/probes/head256_parts.patch applied, bench/lab/split_sweep.py --lab-part P
 #            for P = 0 (the loop), 1 (its loads alone), 2 (its computation alone, tile t0's words
 #            from L1 each time), one process each, two turns, at each of $HEADS (default 4/1/256
-#            8/4/256), B = 32, 16K, the default split count
+#            8/4/256), B = 32, 16K, at the split counts $SPLITS (default 16)
 #   loads    bench/lab/load_patterns.py: head-256 pages read by one-warp programs on the decode's
 #            grid (4/1/256 and 8/4/256, B = 32, 16K), nothing computed: register loads, with the
 #            L2 prefetch, two tiles in flight, and TMA copies into shared memory 1-4 tiles deep
@@ -148,7 +148,7 @@ parts)
     [ $(left) -lt 50 ] && break
     tag=parts_${h//\//_}_p${part}_$turn
     PYTHONPATH=$P:/tmp/fa3 timeout 90 python3 $P/bench/lab/split_sweep.py --presets tq_k4v3 \
-      --heads $h --shapes 32x16384-16384 --splits 16 --lab-part $part --out $OUT/$tag.json \
+      --heads $h --shapes 32x16384-16384 --splits ${SPLITS:-16} --lab-part $part --out $OUT/$tag.json \
       > $OUT/$tag.log 2>&1
     tail -1 $OUT/$tag.log
   done; done; done ;;

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from bench.kernel_builds import compile_captured  # noqa: E402
 from bench.sass_stats import disassemble, opcode  # noqa: E402
+from tqattn.kernels.decode_mma import _LANE  # noqa: E402
 
 # register bits: the pair's word, m (3 bits), the half — the order of _load_k's tuple
 KEY_WORDS = gl.constexpr(gl.DistributedLinearLayout(
@@ -53,7 +54,6 @@ VALUE_PLANE2 = gl.constexpr(gl.DistributedLinearLayout(
 SCALAR_WORDS = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2]], lane_bases=[[0, 0], [0, 0], [0, 0], [1, 0], [2, 0]],
     warp_bases=[], block_bases=[], shape=[4, 4]))
-_LANE = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 _FILL = gl.constexpr(gl.BlockedLayout([1, 16], [1, 32], [1, 1], [1, 0]))
 
 

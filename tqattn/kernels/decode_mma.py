@@ -1485,8 +1485,7 @@ def _loop256_copies(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_r
                     MAP: gl.constexpr, KSM: gl.constexpr):
     """:func:`_loop256` with the next tile's words in flight without registers: they travel
     asynchronously (``cp.async``) into shared memory, each lane its own words, one slot per
-    word, while a tile is computed, after an L2 prefetch of that tile's blocks (the formats
-    :func:`_async_256` picks)."""
+    word, while a tile is computed (the formats :func:`_async_256` picks)."""
     qb = _fused_query(q_ptr, q_rows, hmask, sgn_ptr, qscale, KEYS, 256)
     m_i = gl.full([8], -1.0e30, gl.float32, layout=_HEADS)
     l_p = _lane_sums(gl.zeros([TILE, 8], gl.float32, layout=_MMA))
@@ -1498,15 +1497,12 @@ def _loop256_copies(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_r
     for i in gl.static_range(NK + _value_slots(VALS)):
         buf = buf + (gl.allocate_shared_memory(gl.int64, [32], _SLOTS),)
     pages = _pages(t0, seq_len, bt_row, lane, BS, MAP)
-    pf = _l2_page(t0, t1, seq_len, bt_row, lane, BS)
     if t0 < t1:  # no copies left in flight past the loop
-        _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, 256)
         _load_k(t0, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, 256, buf, 0, 1)
         async_copy.commit_group()
         _load_v(t0, pages, page0, lane, sc_b, BS, V_OFF, VS_OFF, VZ_OFF, VALS, 256, buf, NK, 1)
         async_copy.commit_group()
     pages = _pages(t0 + 1, seq_len, bt_row, lane, BS, MAP)
-    pf = _l2_page(t0 + 1, t1, seq_len, bt_row, lane, BS)
     # each role's copies of tile t + 1 start once tile t's words of that role are read: one
     # group per role and tile, so waiting for all but the newest group waits for the role due
     for t in range(t0, t1):
@@ -1517,7 +1513,6 @@ def _loop256_copies(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_r
         # every tile masked: a compare per row, and the last, partial tile needs no own code
         s = _scores(kw, skn, t, seq_len, qb, tab, tau, True, KEYS, MAP, 256, KSM)
         if more:
-            _l2_prefetch(pf, page0, sc_b, sc_h, lane, BS, 256)
             _load_k(t + 1, pages, page0, lane, sc_b, BS, K_OFF, KN_OFF, KEYS, MAP, 256, buf, 0,
                     1)
         async_copy.commit_group()
@@ -1531,7 +1526,6 @@ def _loop256_copies(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_r
                     NK, 1)
         async_copy.commit_group()
         pages = _pages(t + 2, seq_len, bt_row, lane, BS, MAP)
-        pf = _l2_page(t + 2, t1, seq_len, bt_row, lane, BS)
     return m_i, l_p, z_p, acc
 
 

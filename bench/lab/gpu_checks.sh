@@ -46,6 +46,12 @@
 #            16K, for each of $PRESETS (default tq_k4v3 turboquant_k3v4_nc) at each split count
 #            of $SPLITS (default 16 33): speed of light, memory and compute workload, occupancy,
 #            warp states, CSV; SOURCE=1 adds the per-SASS-line stall samples (--page source)
+#   ncu_stalls  why a second program per scheduler does not speed up head 256's register loop
+#            (issue 27): Nsight Compute with the sections' bodies (--print-details all: the
+#            per-reason stall breakdown, per-pipe utilisation, scheduler stats) of `tq_k4v3` at
+#            $SHAPE (default 4/1/256), B = 32, 16K, at each of $SPLITS (default 16 33) splits,
+#            the whole loop and its computation alone (head256_parts.patch's parts $PARTS,
+#            default 0 2), CSV
 #   latency  issue 24's latency item (the 1-token step against the compiled trivial forward) and
 #            Qwen3-4B's start-up with empty, then warm caches
 #   item6    issue 24 item 6 on SmolLM2's real weights: compiled + graphs vs eager through the
@@ -55,7 +61,7 @@
 #            49000000 -d`), carried over back-to-back calls; every step stashes them in /tmp/gguf.
 #            ITEM6="decode arith gsm8k tests" (the default) picks its parts
 set -u
-STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, window_ab, parts, loads, rates, ncu_ab, ncu_splits or item6}
+STEP=${1:?step: tests, engine, h200, latency, store_ab, centering_ab, decode_ab, window_ab, parts, loads, rates, ncu_ab, ncu_splits, ncu_stalls or item6}
 T0=$(date +%s)
 R=$PWD
 left() { echo $(( ${BUDGET:-580} - ($(date +%s) - T0) )); }
@@ -180,6 +186,19 @@ ncu_splits)
       --section WarpStateStats --section SchedulerStats
     [ "${SOURCE:-0}" = 1 ] && [ $(left) -gt 40 ] && ncu_decode 120 $R $OUT/ncu_${p}_s${s}_source \
       source $p $s --section WarpStateStats --section SourceCounters --print-source sass
+  done; done ;;
+ncu_stalls)
+  P=/tmp/patched1; patched_tree $P bench/lab/probes/head256_parts.patch
+  for s in ${SPLITS:-16 33}; do for part in ${PARTS:-0 2}; do
+    [ $(left) -lt 45 ] && break
+    tag=ncu_stalls_s${s}_p$part
+    LAB_PART=$part PYTHONPATH=$P:/tmp/fa3 timeout 120 ncu --clock-control none \
+      --profile-from-start off -k regex:_decode_mma --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section InstructionStats --section SchedulerStats \
+      --section SpeedOfLight --print-details all --csv --page details python3 \
+      $P/bench/lab/ncu_kernels.py decode ${PRESET:-tq_k4v3} ${SHAPE:-4/1/256} 32 16384 $s \
+      > $OUT/$tag.csv 2> $OUT/$tag.log
+    tail -1 $OUT/$tag.log; grep -ciE "stall" $OUT/$tag.csv
   done; done ;;
 latency)
   timeout 300 python3 bench/model_step.py --sizes 1 --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \

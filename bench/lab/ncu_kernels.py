@@ -9,7 +9,8 @@ centering, run between cudaProfilerStart/Stop after two warm-up calls, so that
 decode PRESET HQ/HK/D B L [SPLITS]: decode_attention_triton over B sequences of L tokens
 (bench/decode.py's data), at its default split count or SPLITS; store PRESET N:
 TurboQuantImpl.store of N tokens x 8 KV heads, head size 128 (bench/centering_overhead.py's
-pair: uncentered, then centered).
+pair: uncentered, then centered). LAB_PART=P in the environment: decode_mma.LAB_PART of
+bench/lab/probes/head256_parts.patch (its patched tree only).
 """
 import os
 import sys
@@ -21,6 +22,10 @@ from bench.decode import make_data, fill_cache  # noqa
 from tqattn.kernels.decode import decode_attention_triton  # noqa
 from tqattn.quant.codec import TQCodec  # noqa
 
+if os.environ.get("LAB_PART"):  # a tree with bench/lab/probes/head256_parts.patch applied
+    from triton.experimental.gluon import language as gl
+    from tqattn.kernels import decode_mma
+    decode_mma.LAB_PART = gl.constexpr(int(os.environ["LAB_PART"]))
 mode = sys.argv[1]
 if mode == "decode":
     preset, shape, b, l = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])

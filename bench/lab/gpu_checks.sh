@@ -47,8 +47,8 @@
 #            of $SPLITS (default 16 33): speed of light, memory and compute workload, occupancy,
 #            warp states, CSV; SOURCE=1 adds the per-SASS-line stall samples (--page source)
 #   ncu_stalls  why a second program per scheduler does not speed up head 256's register loop
-#            (issue 27): Nsight Compute with the sections' bodies (--print-details all: the
-#            per-reason stall breakdown, per-pipe utilisation, scheduler stats) of `tq_k4v3` at
+#            (issue 27): Nsight Compute's raw page of its sections (every metric they collect:
+#            the per-reason stall breakdown, per-pipe utilisation, scheduler stats) of `tq_k4v3` at
 #            $SHAPE (default 4/1/256), B = 32, 16K, at each of $SPLITS (default 16 33) splits,
 #            the whole loop and its computation alone (head256_parts.patch's parts $PARTS,
 #            default 0 2), CSV
@@ -195,10 +195,10 @@ ncu_stalls)
     LAB_PART=$part PYTHONPATH=$P:/tmp/fa3 timeout 120 ncu --clock-control none \
       --profile-from-start off -k regex:_decode_mma --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section InstructionStats --section SchedulerStats \
-      --section SpeedOfLight --print-details all --csv --page details python3 \
+      --section SpeedOfLight --csv --page raw python3 \
       $P/bench/lab/ncu_kernels.py decode ${PRESET:-tq_k4v3} ${SHAPE:-4/1/256} 32 16384 $s \
       > $OUT/$tag.csv 2> $OUT/$tag.log
-    tail -1 $OUT/$tag.log; grep -ciE "stall" $OUT/$tag.csv
+    tail -1 $OUT/$tag.log; head -c 300 $OUT/$tag.csv
   done; done ;;
 latency)
   timeout 300 python3 bench/model_step.py --sizes 1 --kv-cache-dtypes auto,turboquant_k3v4_nc,tq_k4v3 \

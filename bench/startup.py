@@ -99,8 +99,9 @@ def main() -> int:
             print(f"{name:20s} {state:5s} caches: {parts} s (process wall {r['wall_s']:.1f} s)",
                   flush=True)
             print(f"{'':26s} {describe_builds(r.get('builds', {}))}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+        # after every dtype, so that a run cut short by a time limit keeps what it measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
     return 0
 

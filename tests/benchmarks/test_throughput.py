@@ -63,6 +63,7 @@ def test_throughput_end_to_end(tmp_path, capsys):
             c = r[key]
             assert c["total"] == c["dynamo"] + c["triton"] == 0 and c["triton_kernels"] == []
         assert r["startup_s"] > 0
+        assert r["startup_builds"] == {}  # CPU: eager, no warm-up compiles to report
     md = (tmp_path / "throughput_chat.md").read_text()
     assert all(f"`{d}`" in md for d in dtypes) and "tokens prefilled again" in md
     try:
@@ -146,3 +147,16 @@ def test_bench_flags_are_the_shared_engine_flags():
     for bad in (["--kv-cache-memory-bytes", "8 gigs"], ["--kv-cache-dtypes", "auto,fp3"]):
         with pytest.raises(SystemExit):
             ap.parse_args(["bench", "throughput", "--workload", "chat", *bad])
+
+
+def test_startup_line_names_the_builds():
+    r = {"kv_cache_dtype": "tq_k4v3", "startup_times": {"load": 1.0, "warmup": 26.4},
+         "startup_builds": {"warmup": {"triton_loaded": 10, "triton_compiled": 3, "dynamo": 2},
+                            "precompile": {"compiled": 11, "submitted": 11, "cached": 2}}}
+    assert report.startup_line(r) == (
+        "- `tq_k4v3`: load 1.00, warmup 26.40; warm-up: 10 Triton builds from the disk cache, "
+        "3 compiled, 2 Dynamo compiles; precompile: 11 of 11 builds compiled, 2 cached")
+    r["startup_builds"] = {"precompile": None}
+    assert report.startup_line(r).endswith("warmup 26.40; precompile failed")
+    del r["startup_builds"]  # a result written before the builds were recorded
+    assert report.startup_line(r) == "- `tq_k4v3`: load 1.00, warmup 26.40"

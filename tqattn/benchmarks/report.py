@@ -218,6 +218,21 @@ def provenance(env: dict, command: str | None) -> list[str]:
     return [f"Device {dev}; {versions}.", f"- command: `{command}`" if command else "- command: not recorded."]
 
 
+def startup_line(r: dict) -> str:
+    """A dtype's start-up parts (s), then what its warm-up built and the precompile's summary."""
+    line = f"- `{r['kv_cache_dtype']}`: " + ", ".join(f"{k} {v:.2f}" for k, v in r["startup_times"].items())
+    builds = r.get("startup_builds") or {}
+    w = builds.get("warmup")
+    if w:
+        line += (f"; warm-up: {w['triton_loaded']} Triton builds from the disk cache, "
+                 f"{w['triton_compiled']} compiled, {w['dynamo']} Dynamo compiles")
+    if "precompile" in builds:
+        p = builds["precompile"]
+        line += ("; precompile failed" if p is None else
+                 f"; precompile: {p['compiled']} of {p['submitted']} builds compiled, {p['cached']} cached")
+    return line
+
+
 def markdown(result: dict) -> str:
     w, res = result["workload"], result["results"]
     lines = [
@@ -273,9 +288,7 @@ def markdown(result: dict) -> str:
         f"({100 * r['recomputed_fraction_of_prompt_tokens']:.1f} % of prompt tokens)")
     row("start-up s", lambda r: f"{r['startup_s']:.1f}")
     lines += ["", "Start-up breakdown (s):", ""]
-    for r in res:
-        st = r["startup_times"]
-        lines.append(f"- `{r['kv_cache_dtype']}`: " + ", ".join(f"{k} {v:.2f}" for k, v in st.items()))
+    lines += [startup_line(r) for r in res]
     lines += ["", "Attention per layer:", ""]
     lines += [f"- `{r['kv_cache_dtype']}`: {_layers_summary(r['attention'])}" for r in res]
     lines += ["", f"Step check: {STEP_RULE}.", ""]

@@ -114,6 +114,8 @@ def run_dtype(model: str, kv_cache_dtype: str, workload: Workload, engine_kwargs
             "num_computed_tokens": stats["num_computed_tokens"],
             "startup_s": startup_s,
             "startup_times": dict(engine.startup_times),
+            # what the warm-up loaded or compiled, and the parallel precompile's summary
+            "startup_builds": dict(engine.startup_builds),
             "attention": _attention_versions(engine),
             "plan_groups": engine.plan["groups"],
             "timeline": report.timeline_columns(records),

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import environment  # noqa: E402
+from tqattn.benchmarks.report import describe_builds  # noqa: E402
 
 CHILD = """
 import json, sys, time
@@ -52,19 +53,6 @@ def start_once(kwargs: dict, cache_dir: str, precompile: str = "on") -> dict:
     if proc.returncode or not lines:
         raise RuntimeError(f"start-up process failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1][len("STARTUP "):])
-
-
-def describe_builds(builds: dict) -> str:
-    """The warm-up's Triton builds (loaded from the disk cache / compiled) and the precompile's."""
-    w, p = builds.get("warmup"), builds.get("precompile")
-    text = (f"warm-up: {w['triton_loaded']} Triton builds from the disk cache, "
-            f"{w['triton_compiled']} compiled, {w['dynamo']} Dynamo compiles" if w else "no warm-up")
-    if "precompile" in builds:
-        text += ("; precompile failed (see the log)" if p is None else
-                 f"; precompile: {p['compiled']} of {p['submitted']} new builds by {p['workers']} "
-                 f"workers in {p['total_s']:.1f} s, {p['cached']} already cached, "
-                 f"{len(p['failed']) + len(p['unbuilt'])} not precompiled")
-    return text
 
 
 def main() -> int:

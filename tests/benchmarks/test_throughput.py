@@ -152,11 +152,13 @@ def test_bench_flags_are_the_shared_engine_flags():
 def test_startup_line_names_the_builds():
     r = {"kv_cache_dtype": "tq_k4v3", "startup_times": {"load": 1.0, "warmup": 26.4},
          "startup_builds": {"warmup": {"triton_loaded": 10, "triton_compiled": 3, "dynamo": 2},
-                            "precompile": {"compiled": 11, "submitted": 11, "cached": 2}}}
+                            "precompile": {"compiled": 11, "submitted": 11, "cached": 2, "workers": 15,
+                                           "total_s": 6.84, "failed": [], "unbuilt": ["x"]}}}
     assert report.startup_line(r) == (
         "- `tq_k4v3`: load 1.00, warmup 26.40; warm-up: 10 Triton builds from the disk cache, "
-        "3 compiled, 2 Dynamo compiles; precompile: 11 of 11 builds compiled, 2 cached")
+        "3 compiled, 2 Dynamo compiles; precompile: 11 of 11 new builds by 15 workers in 6.8 s, "
+        "2 already cached, 1 not precompiled")
     r["startup_builds"] = {"precompile": None}
-    assert report.startup_line(r).endswith("warmup 26.40; precompile failed")
+    assert report.startup_line(r).endswith("warmup 26.40; no warm-up; precompile failed (see the log)")
     del r["startup_builds"]  # a result written before the builds were recorded
     assert report.startup_line(r) == "- `tq_k4v3`: load 1.00, warmup 26.40"

@@ -218,19 +218,25 @@ def provenance(env: dict, command: str | None) -> list[str]:
     return [f"Device {dev}; {versions}.", f"- command: `{command}`" if command else "- command: not recorded."]
 
 
+def describe_builds(builds: dict) -> str:
+    """The warm-up's Triton builds (loaded from the disk cache / compiled) and the precompile's
+    (an engine's ``startup_builds``)."""
+    w, p = builds.get("warmup"), builds.get("precompile")
+    text = (f"warm-up: {w['triton_loaded']} Triton builds from the disk cache, "
+            f"{w['triton_compiled']} compiled, {w['dynamo']} Dynamo compiles" if w else "no warm-up")
+    if "precompile" in builds:
+        text += ("; precompile failed (see the log)" if p is None else
+                 f"; precompile: {p['compiled']} of {p['submitted']} new builds by {p['workers']} "
+                 f"workers in {p['total_s']:.1f} s, {p['cached']} already cached, "
+                 f"{len(p['failed']) + len(p['unbuilt'])} not precompiled")
+    return text
+
+
 def startup_line(r: dict) -> str:
     """A dtype's start-up parts (s), then what its warm-up built and the precompile's summary."""
     line = f"- `{r['kv_cache_dtype']}`: " + ", ".join(f"{k} {v:.2f}" for k, v in r["startup_times"].items())
-    builds = r.get("startup_builds") or {}
-    w = builds.get("warmup")
-    if w:
-        line += (f"; warm-up: {w['triton_loaded']} Triton builds from the disk cache, "
-                 f"{w['triton_compiled']} compiled, {w['dynamo']} Dynamo compiles")
-    if "precompile" in builds:
-        p = builds["precompile"]
-        line += ("; precompile failed" if p is None else
-                 f"; precompile: {p['compiled']} of {p['submitted']} builds compiled, {p['cached']} cached")
-    return line
+    builds = r.get("startup_builds")
+    return line + f"; {describe_builds(builds)}" if builds else line
 
 
 def markdown(result: dict) -> str:

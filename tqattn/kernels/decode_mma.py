@@ -1479,7 +1479,7 @@ def _loop256(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab
 
 @gluon.jit
 def _loop256_copies(q_ptr, q_rows, hmask, sgn_ptr, qscale, t0, t1, seq_len, bt_row, tab, tabv,
-                    tau, page0, lane, sc_b, sc_h, BS: gl.constexpr, K_OFF: gl.constexpr,
+                    tau, page0, lane, sc_b, BS: gl.constexpr, K_OFF: gl.constexpr,
                     KN_OFF: gl.constexpr, V_OFF: gl.constexpr, VS_OFF: gl.constexpr,
                     VZ_OFF: gl.constexpr, KEYS: gl.constexpr, VALS: gl.constexpr,
                     MAP: gl.constexpr, KSM: gl.constexpr):
@@ -1628,7 +1628,7 @@ def _decode_mma_kernel(q_ptr, sq_r, sq_h, cache_ptr, sc_b, sc_h, bt_ptr, sbt, se
         if _async_256(KEYS, VALS):
             m_i, l_p, z_p, acc = _loop256_copies(q_ptr, q_rows, hq < GROUP, sgn_ptr, qscale, t0,
                                                  t1, seq_len, bt_row, tab, tabv, tau, page0, lane,
-                                                 sc_b, sc_h, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
+                                                 sc_b, BS, K_OFF, KN_OFF, V_OFF, VS_OFF,
                                                  VZ_OFF, KEYS, VALS, MAP, KSM)
         else:
             # at most one program per SM scheduler (OLDER_PER_SM a SM): n_older counts them all

@@ -192,12 +192,9 @@ ncu_stalls)
   for s in ${SPLITS:-16 33}; do for part in ${PARTS:-0 2}; do
     [ $(left) -lt 45 ] && break
     tag=ncu_stalls_s${s}_p$part
-    LAB_PART=$part PYTHONPATH=$P:/tmp/fa3 timeout 120 ncu --clock-control none \
-      --profile-from-start off -k regex:_decode_mma --section WarpStateStats \
+    LAB_PART=$part ncu_decode 120 $P $OUT/$tag raw ${PRESET:-tq_k4v3} $s --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section InstructionStats --section SchedulerStats \
-      --section SpeedOfLight --csv --page raw python3 \
-      $P/bench/lab/ncu_kernels.py decode ${PRESET:-tq_k4v3} ${SHAPE:-4/1/256} 32 16384 $s \
-      > $OUT/$tag.csv 2> $OUT/$tag.log
+      --section SpeedOfLight
     tail -1 $OUT/$tag.log; head -c 300 $OUT/$tag.csv
   done; done ;;
 latency)

@@ -189,3 +189,19 @@ def test_eval_without_opt_in_fetches_nothing(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "~470 MB" in err and "internal evaluation only" in err
     assert "--allow-download" in err and ran == [] and not list(tmp_path.rglob("*"))
+
+
+def test_log_lines_keep_the_traceback():
+    # logger.exception in the server's engine loop: the stack is what finds the bug
+    import logging
+
+    from tqattn.cli import _LogFormatter
+
+    try:
+        raise ValueError("deep inside")
+    except ValueError:
+        record = logging.LogRecord("tqattn", logging.ERROR, __file__, 1, "step %d failed", (3,), sys.exc_info())
+    text = _LogFormatter().format(record)
+    assert text.startswith("tqattn: error: step 3 failed\nTraceback") and text.endswith("ValueError: deep inside")
+    plain = logging.LogRecord("tqattn", logging.WARNING, __file__, 1, "slow", None, None)
+    assert _LogFormatter().format(plain) == "tqattn: warning: slow"

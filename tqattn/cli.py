@@ -157,18 +157,21 @@ def cmd_serve(args) -> int:
 
     engine_kwargs = engine_kwargs_from_args(args)  # checked before the model loads
     uvicorn_module()  # the extra is installed
-    if args.request_timeout is not None and args.request_timeout <= 0:
-        raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     _progress_bars(sys.stderr.isatty())
     from .engine.llm_engine import EngineArgs, LLMEngine
-    from .serve.server import Server, startup_message
+    from .serve.server import Server, bind, startup_message
 
-    engine = LLMEngine(EngineArgs(**engine_kwargs))
-    try:
-        server = Server(engine, args.host, args.port, args.served_model_name, args.max_waiting_requests,
-                        args.request_timeout, log_level=args.uvicorn_log_level)
-    except OSError as e:  # e.g. the port is taken
+    try:  # before the model loads: a taken port or a bad host fails in a second, not minutes
+        sock = bind(args.host, args.port)
+    except OSError as e:
         raise OSError(f"could not serve on {args.host}:{args.port}: {e}") from None
+    try:
+        engine = LLMEngine(EngineArgs(**engine_kwargs))
+        server = Server(engine, args.host, args.port, args.served_model_name, args.max_waiting_requests,
+                        args.request_timeout, log_level=args.uvicorn_log_level, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
     signal.signal(signal.SIGTERM, _interrupt)  # stop as on Ctrl-C: abort requests, close the socket
     try:
         try:
@@ -289,7 +292,10 @@ def _warn(msg: str) -> None:
 class _LogFormatter(logging.Formatter):
     # the same shape as the command's own lines: "tqattn: warning: ..."
     def format(self, record):
-        return f"tqattn: {record.levelname.lower()}: {record.getMessage()}"
+        text = f"tqattn: {record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info:  # logger.exception: the traceback is what finds the bug
+            text += "\n" + self.formatException(record.exc_info)
+        return text
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -376,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", help="the model name of the API (default: the model's name)")
     g.add_argument("--max-waiting-requests", type=_positive, default=256,
                    help="requests that may wait for a slot; past it new ones get 503 with Retry-After")
-    g.add_argument("--request-timeout", type=float, default=None,
+    g.add_argument("--request-timeout", type=_seconds, default=None,
                    help="abort a request after this many seconds (default: no limit)")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -425,6 +431,12 @@ def _port(s: str) -> int:
     if not 0 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"expected a TCP port in [0, 65535], got {s!r}")
     return v
+
+
+def _seconds(s: str) -> float:
+    from .engine.arg_utils import _number
+
+    return _number(s, "a finite number of seconds > 0", lambda v: 0 < v < float("inf"))
 
 
 def _positive(s: str) -> int:

@@ -79,6 +79,7 @@ def test_byte_counts(text, value):
     ("--device", "cuda:x"), ("--device", "mps"), ("--kv-cache-dtype", "turboquant_2bit"),
     ("--max-tokens", "1.5"), ("--min-tokens", "-1"), ("--temperature", "nan"), ("--top-p", "0"),
     ("--top-k", "-2"), ("--stop-token-ids", "1,a"), ("--kv-cache-auto-skip-budget", "-0.1"),
+    ("--temperature", "inf"), ("--seed", str(2**64)), ("--seed", str(-2**63 - 1)), ("--seed", "1.5"),
 ])
 def test_bad_values_fail_at_parse_time_naming_the_value(flag, value, capsys):
     with pytest.raises(SystemExit):

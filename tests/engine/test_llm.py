@@ -117,6 +117,14 @@ def test_sampling():
     assert _tokens(llm.generate(prompts, top1, use_tqdm=False)) == greedy
     tiny_p = SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12, ignore_eos=True)
     assert _tokens(llm.generate(prompts, tiny_p, use_tqdm=False)) == greedy
+    # a temperature too small to scale logits by in fp32 is its limit, the argmax; a top_k past
+    # the vocabulary (even past int64) is the whole vocabulary
+    cold = SamplingParams(temperature=1e-300, seed=0, max_tokens=12, ignore_eos=True)
+    assert _tokens(llm.generate(prompts, cold, use_tqdm=False)) == greedy
+    wide = [SamplingParams(temperature=1.0, top_k=k, seed=3, max_tokens=12, ignore_eos=True)
+            for k in (0, 2**70)]
+    assert _tokens(llm.generate(prompts[:1] * 2, wide, use_tqdm=False)) == \
+        _tokens(llm.generate(prompts[:1], wide[0], use_tqdm=False)) * 2
 
     seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in (1, 1, 2)]
     a = _tokens(llm.generate(prompts, seeded, use_tqdm=False))
@@ -186,10 +194,39 @@ def test_sampling_params_validation():
                           (dict(top_k=-3), "top_k.*-3"), (dict(max_tokens=0), "max_tokens.*0"),
                           (dict(min_tokens=5, max_tokens=2), "min_tokens \\(5\\)"),
                           (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids.*-1"),
-                          (dict(seed="x"), "seed.*'x'")]:
+                          (dict(seed="x"), "seed.*'x'"), (dict(seed=2**64), "seed.*18446744073709551616"),
+                          (dict(seed=-2**63 - 1), "seed.*-9223372036854775809"),
+                          (dict(temperature=float("inf")), "finite.*inf"),
+                          (dict(temperature=float("nan")), "finite.*nan")]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kwargs)
     assert SamplingParams(stop="x", top_k=-1).stop == ["x"]
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-2**63).seed == -2**63
+
+
+def test_a_request_refused_leaves_nothing_behind(monkeypatch):
+    # whatever fails while a request is added (here its generator), the engine holds no trace of
+    # it: the next steps run the other requests, and abort_all clears even a stray sequence
+    import tqattn.engine.llm_engine as llm_engine
+
+    llm = LLM("llama-tiny", **SMALL)
+    engine = llm.llm_engine
+
+    def broken(seed, device):
+        raise RuntimeError("no generator")
+
+    monkeypatch.setattr(llm_engine, "make_generator", broken)
+    with pytest.raises(RuntimeError, match="no generator"):
+        engine.add_request("bad", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(seed=1))
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests()
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 12
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    engine.step()
+    engine.requests.pop("a")   # the state a failed step could leave: a sequence without a request
+    assert engine.abort_all() == 1 and not engine.has_unfinished_requests()
+    assert _all_blocks_free(llm)
 
 
 def test_errors_say_what_to_change(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -64,6 +65,31 @@ def test_serve_command_bad_flag_is_one_line(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "expected a TCP port in [0, 65535], got '70000'" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1", "soon"])
+def test_serve_command_bad_request_timeout_is_one_line(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--request-timeout", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"expected a finite number of seconds > 0, got {value!r}" in err and err.count("\n") == 1
+
+
+def test_serve_command_binds_before_the_model_loads(monkeypatch, capsys):
+    import tqattn.engine.llm_engine as llm_engine
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the port was bound")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", refuse)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert f"could not serve on 127.0.0.1:{port}" in err and "Traceback" not in err, err
 
 
 def test_generate_stream_prints_the_generate_text(tiny_model_dir, capsys):

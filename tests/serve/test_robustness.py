@@ -59,7 +59,9 @@ BAD = [
     (C, {"prompt": "x", "frequency_penalty": 0.5}, 400, ["frequency_penalty=0.5"]),
     (C, {"prompt": "x", "echo": True}, 400, ["echo=true"]),
     (C, {"prompt": "x", "foo": 1}, 400, ["unknown parameter 'foo'"]),
-    (C, {"prompt": "x", "temperature": -1}, 400, ["temperature must be a number >= 0"]),
+    (C, {"prompt": "x", "temperature": -1}, 400, ["temperature must be a finite number >= 0"]),
+    (C, b'{"prompt": "x", "temperature": 1e400}', 400, ["temperature must be a finite number", "inf"]),
+    (C, {"prompt": "x", "seed": 2**64}, 400, ["seed must be an integer in [", "18446744073709551616"]),
     (C, {"prompt": "x", "top_p": 0}, 400, ["top_p must be in (0, 1]"]),
     (C, {"prompt": "x", "stop": [""]}, 400, ["stop must be a non-empty string"]),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, ["only allowed with stream=true"]),
@@ -95,6 +97,39 @@ def test_bad_input_is_4xx_with_openai_error(small_cache_server, path, body, stat
     for w in words:
         assert w in err["message"], err
     assert _post(small_cache_server, "/health", None, method="GET")[0] == 200
+
+
+# (path, body, the error's param, its code): the field the client must change
+PARAMS = [
+    (C, {"prompt": "x", "seed": -2**63 - 1}, "seed", None),
+    (C, {"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids", None),
+    (C, {"prompt": "x", "max_tokens": 10_000}, "max_tokens", "context_length_exceeded"),
+    (C, {"prompt": [5] * 300}, "prompt", "context_length_exceeded"),
+    (CH, {"messages": MSG, "max_completion_tokens": 10_000}, "max_completion_tokens", "context_length_exceeded"),
+    (CH, {"messages": [{"role": "user", "content": " x" * 300}]}, "messages", "context_length_exceeded"),
+    (CH, {"messages": [{"role": "user", "content": [5]}]}, "messages.0.content", None),
+    (C, {"prompt": "a\ud800b"}, "prompt", None),   # a lone surrogate: not text the tokenizer takes
+    (CH, {"messages": [{"role": "user", "content": "\udfff"}]}, "messages.0.content", None),
+]
+
+
+@pytest.mark.parametrize("path,body,param,code", PARAMS, ids=[f"{i}" for i in range(len(PARAMS))])
+def test_errors_name_the_field(small_cache_server, path, body, param, code):
+    status, err = _error(_post(small_cache_server, path, body))
+    assert (status, err["param"], err["code"]) == (400, param, code), err
+    assert "request '" not in err["message"], err   # the engine's id means nothing to the client
+
+
+def test_out_of_range_sampling_values_touch_no_other_request(small_cache_server):
+    # a seed torch cannot take is refused before the engine holds the request, and a top_k
+    # beyond the vocabulary is the whole vocabulary: both leave the engine serving
+    assert _post(small_cache_server, C, {"prompt": "x", "seed": 2**70})[0] == 400
+    status, _, body = _post(small_cache_server, C, {"prompt": "x", "max_tokens": 3, "top_k": 2**70,
+                                                   "seed": 2**64 - 1, "ignore_eos": True})
+    assert status == 200, body
+    assert json.loads(body)["usage"]["completion_tokens"] == 3
+    status, _, body = _post(small_cache_server, C, {"prompt": "x", "max_tokens": 2})
+    assert status == 200, body
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(small_cache_server):

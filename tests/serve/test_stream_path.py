@@ -17,7 +17,7 @@ import pytest
 from tqattn.engine.outputs import CompletionOutput, RequestOutput
 from tqattn.engine.sampling import SamplingParams
 from tqattn.engine.streaming import Detokenizer, IncrementalOutput, StreamOutput
-from tqattn.serve.async_engine import AsyncEngine, EngineError, RequestStream
+from tqattn.serve.async_engine import AsyncEngine, EngineError, EngineStopped, RequestStream
 from tqattn.serve.engine_loop import EngineLoop
 
 from .conftest import make_engine
@@ -154,6 +154,68 @@ def test_the_engine_thread_hands_the_loop_one_batch_per_step(tiny_model_dir):
     assert num_calls <= 8 + engine_loop.num_steps < 8 * 12, (num_calls, engine_loop.num_steps)
     assert async_engine.num_steps == engine_loop.num_steps
     assert engine.block_manager.usage == 0
+
+
+def test_waiting_count_leaves_free_slots_to_unanswered_adds():
+    # the adds the engine has not answered yet take its free slots before they count as waiting
+    eng = AsyncEngine(None, None, None, 256, max_waiting_requests=2, max_num_seqs=4)
+    for running, waiting, pending, expect in [(0, 0, 5, 1), (3, 0, 2, 1), (4, 0, 1, 1), (0, 0, 4, 0),
+                                              (2, 3, 1, 4)]:   # some wait already: no slot is free
+        eng.num_running, eng.num_waiting, eng._pending = running, waiting, pending
+        assert eng.num_waiting_for_slot() == expect, (running, waiting, pending)
+    eng.max_num_seqs = None
+    assert eng.num_waiting_for_slot() == 4
+
+
+def test_a_failed_step_fails_what_runs_and_the_engine_serves_on(tiny_model_dir):
+    """A step that raises, leaving a sequence the engine has no request for (what an add that
+    failed halfway once left): the running request fails with the error, nothing stays in the
+    engine, the next request completes; on shutdown a running request fails as EngineStopped."""
+    engine = make_engine(tiny_model_dir)
+    real_step, steps = engine.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) == 3:
+            engine.requests.clear()
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.step = step
+    commands_in, commands_out = multiprocessing.Pipe(duplex=False)
+    events_in, events_out = multiprocessing.Pipe(duplex=False)
+    engine_loop = EngineLoop(engine, events_out, commands_in)
+    async_engine = AsyncEngine(commands_out, events_in, engine.tokenizer, 256)
+    engine_loop.start()
+    async_engine.start()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def run(prompt, p=params):
+        stream = await async_engine.add_request({"prompt_token_ids": prompt}, p)
+        tokens = []
+        async for piece in stream:
+            tokens += piece.token_ids
+        return tokens
+
+    async def main():
+        with pytest.raises(EngineError, match="the engine failed: RuntimeError: boom") as failed:
+            await run([5, 6, 7])
+        assert not isinstance(failed.value, EngineStopped)
+        assert len(await run([8, 9])) == 8
+        long = asyncio.ensure_future(run([5, 6], SamplingParams(max_tokens=200, ignore_eos=True)))
+        while not async_engine.num_running:
+            await asyncio.sleep(0.01)
+        await asyncio.get_running_loop().run_in_executor(None, engine_loop.shutdown)
+        with pytest.raises(EngineStopped, match="shutting down"):
+            await long
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine_loop.shutdown()
+        commands_out.close()
+        engine_loop.close()
+    assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0
 
 
 def test_bench_serve_client_and_server_counters(tiny_server):

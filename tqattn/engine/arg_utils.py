@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 
 from ..models.loader import LOAD_FORMATS
 from .llm_engine import _DTYPES as DTYPES
 from .llm_engine import EngineArgs
-from .sampling import SamplingParams
+from .sampling import SEED_MAX, SEED_MIN, SamplingParams
 
 CLI_MAX_TOKENS = 64
 CLI_TEMPERATURE = 0.0
@@ -57,11 +58,19 @@ def _number(s: str, what: str, ok) -> float:
 
 
 def temperature(s: str) -> float:
-    return _number(s, "a number >= 0 (0 = greedy)", lambda v: v >= 0)
+    return _number(s, "a finite number >= 0 (0 = greedy)", lambda v: 0 <= v < math.inf)
 
 
 def probability(s: str) -> float:
     return _number(s, "a number in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def seed(s: str) -> int:
+    what = f"an integer in [{SEED_MIN}, {SEED_MAX}]"
+    v = _int(s, SEED_MIN, what)
+    if v > SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
+    return v
 
 
 def top_k(s: str) -> int:
@@ -176,7 +185,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     flag("async_scheduling", action=argparse.BooleanOptionalAction,
          help="launch each step before reading the previous step's tokens, overlapping host and "
               "device work (default: on CUDA)")
-    flag("seed", type=int, help="engine seed (weights of dummy models, sampling of unseeded requests)")
+    flag("seed", type=seed, help="engine seed (weights of dummy models, sampling of unseeded requests)")
     flag("tensor_parallel_size", type=positive_int,
          help="split the model over N processes (one GPU each, cuda:0..N-1; gloo ranks on CPU): "
               "N must divide the attention heads, and divide or be a multiple of the KV heads")

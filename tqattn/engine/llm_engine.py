@@ -45,7 +45,7 @@ from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks,
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, StepRecord
 from .sampled import PLACEHOLDER, SampledTokens
-from .sampling import SamplingParams, make_generator
+from .sampling import SEED_MAX, SEED_MIN, SamplingParams, make_generator
 from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import Sequence, SequenceStatus
 from .warmup import backend_token_counts, run_warmup, warmup_steps
@@ -119,6 +119,9 @@ class EngineArgs:
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
             raise ValueError(f"kv_cache_auto_skip_budget must be a number >= 0 (a share of the "
                              f"all-compressed cache's bytes, e.g. 0.2), got {budget!r}")
+        if not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                and SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer (1 = no tensor "
@@ -504,10 +507,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"a request with id {request_id!r} is already running")
         seq = Sequence(token_ids, params, seq_id=request_id)
+        generator = make_generator(params.seed, self.device)
         self.scheduler.add(seq)  # validates lengths against max_model_len and the cache
         self.requests[request_id] = _Request(
-            request_id, text, seq, params, RequestMetrics(arrival_time=time.perf_counter()),
-            make_generator(params.seed, self.device))
+            request_id, text, seq, params, RequestMetrics(arrival_time=time.perf_counter()), generator)
 
     def abort_request(self, request_id: Hashable) -> bool:
         req = self.requests.pop(request_id, None)
@@ -515,6 +518,14 @@ class LLMEngine:
             return False
         self.scheduler.abort(request_id)
         return True
+
+    def abort_all(self) -> int:
+        """Abort every request, and any sequence the scheduler holds without one; how many."""
+        ids = set(self.requests) | set(self.scheduler.seqs)
+        for rid in ids:
+            self.requests.pop(rid, None)
+            self.scheduler.abort(rid)
+        return len(ids)
 
     def request_progress(self, request_id: Hashable) -> tuple[list[int], str] | None:
         """A running request's output so far: (token ids, decoded text), or None if it is not

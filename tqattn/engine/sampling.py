@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+GREEDY_BELOW = 1e-5
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 
 
 def _is_int(x) -> bool:
@@ -14,7 +18,7 @@ def _is_int(x) -> bool:
 @dataclass
 class SamplingParams:
     """How to pick a request's tokens (vLLM's names). temperature 0 = greedy."""
-    temperature: float = 1.0
+    temperature: float = 1.0  # below 1e-5 (vLLM's threshold) sampling is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
     max_tokens: int | None = 16  # None: up to max_model_len
@@ -27,8 +31,8 @@ class SamplingParams:
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+                or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -49,12 +53,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # a smaller temperature overflows the logits' scaling in fp32; its limit is the argmax
+        return self.temperature < GREEDY_BELOW
 
 
 class Sampler:
@@ -108,7 +113,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     """Mask logits outside each row's top-k and top-p nucleus with -inf."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(-1, descending=True)
-    k = torch.tensor([t if t > 0 else vocab for t in top_k], device=logits.device).clamp(max=vocab)
+    k = torch.tensor([min(t, vocab) if t > 0 else vocab for t in top_k], device=logits.device)
     ranks = torch.arange(vocab, device=logits.device)
     drop = ranks[None, :] >= k[:, None]
     p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)

@@ -44,6 +44,10 @@ class EngineError(RuntimeError):
     """The engine failed while running a step, or stopped; the request was aborted."""
 
 
+class EngineStopped(EngineError):
+    """The engine is shutting down or has stopped: not the request's fault, worth retrying (503)."""
+
+
 class RequestStream:
     """One request's pieces as they come: ``async for piece in stream`` (StreamOutput), the last
     with ``finished=True``. :meth:`abort` (idempotent) stops the request and frees its blocks.
@@ -103,10 +107,12 @@ class AsyncEngine:
     tokenizer: the engine's (prompts and chat templates are encoded here, outputs decoded here)."""
 
     def __init__(self, commands, events, tokenizer, max_model_len: int,
-                 max_waiting_requests: int = 256, metrics: ServerMetrics | None = None):
+                 max_waiting_requests: int = 256, metrics: ServerMetrics | None = None,
+                 max_num_seqs: int | None = None):
         check_max_waiting_requests(max_waiting_requests)
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
         self.max_waiting_requests = max_waiting_requests
+        self.max_num_seqs = max_num_seqs  # the engine's running slots; None: count none free
         self.metrics = metrics or ServerMetrics()
         self._commands, self._events = commands, events
         self._send_lock = threading.Lock()
@@ -138,8 +144,8 @@ class AsyncEngine:
         elif loop is not self._loop:
             raise RuntimeError("an AsyncEngine serves one event loop")
         if self._closed:
-            raise EngineError("the engine loop is not running")
-        waiting = self._pending + self.num_waiting
+            raise EngineStopped("the engine loop is not running")
+        waiting = self.num_waiting_for_slot()
         if waiting >= self.max_waiting_requests:
             self.metrics.num_rejected += 1
             raise QueueFull(waiting)
@@ -154,6 +160,14 @@ class AsyncEngine:
             stream.abort()
             raise
         return stream
+
+    def num_waiting_for_slot(self) -> int:
+        """Requests that would wait for a running slot: the engine's waiting ones, plus the adds
+        it has not answered yet beyond the slots it has free (none while some already wait)."""
+        free = 0
+        if self.num_waiting == 0 and self.max_num_seqs is not None:
+            free = max(0, self.max_num_seqs - self.num_running)
+        return self.num_waiting + max(0, self._pending - free)
 
     def _encoded(self, prompt):
         """A text prompt as text and token ids (as LLMEngine.encode makes them): the engine's
@@ -179,7 +193,7 @@ class AsyncEngine:
                 self._commands.send(command)
         except (BrokenPipeError, EOFError, OSError):  # the engine's side has gone
             self._closed = True
-            raise EngineError("the engine loop is not running") from None
+            raise EngineStopped("the engine loop is not running") from None
 
     # ---- reader thread -----------------------------------------------------------------------------
 
@@ -257,14 +271,14 @@ class AsyncEngine:
             message, client_error = x
             stream._accept(ValueError(message) if client_error else
                            RuntimeError(f"the engine could not add the request: {message}"))
-        else:  # failed
+        else:  # failed (a bug), or stopped (shutting down)
             del self._streams[stream.request_id]
-            stream.put(EngineError(x))
+            stream.put((EngineStopped if kind == "stopped" else EngineError)(x))
 
     def _fail_all(self, message: str) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             if not stream.accepted.done():
-                stream._accept(EngineError(message))
+                stream._accept(EngineStopped(message))
             else:
-                stream.put(EngineError(message))
+                stream.put(EngineStopped(message))

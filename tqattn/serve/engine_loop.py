@@ -125,7 +125,7 @@ class EngineLoop:
                         self._sent[rid] = n + len(new)
                         updates.append((rid, "tokens", new))
                 self._send(updates, step)
-            self._send(self._fail_all("the server is shutting down"), None)
+            self._send(self._fail_all("the server is shutting down", "stopped"), None)
         except Exception:
             logger.exception("the engine loop stopped")
             self._fail_all("the engine loop stopped")
@@ -155,12 +155,13 @@ class EngineLoop:
             elif command[0] == "gone":
                 self._stopping = True
                 self.num_aborted += len(self._sent)
-                self._fail_all("the front end has gone")
+                self._fail_all("the front end has gone", "stopped")
 
-    def _fail_all(self, message: str) -> list:
-        for rid in self._sent:
-            self.engine.abort_request(rid)
-        updates = [(rid, "failed", message) for rid in self._sent]
+    def _fail_all(self, message: str, kind: str = "failed") -> list:
+        # everything the engine holds, not only what we sent: a step that failed midway must
+        # not leave work that makes the next step fail again
+        self.engine.abort_all()
+        updates = [(rid, kind, message) for rid in self._sent]
         self._sent.clear()
         return updates
 

@@ -27,6 +27,7 @@ class FrontendConfig:
     max_waiting_requests: int
     request_timeout: float | None
     log_level: str
+    max_num_seqs: int | None = None  # the engine's running slots
 
 
 def uvicorn_module():
@@ -48,7 +49,7 @@ def run_frontend(config: FrontendConfig, sock, commands, events) -> None:
     from .routes import build_app
 
     engine = AsyncEngine(commands, events, config.tokenizer, config.max_model_len,
-                         config.max_waiting_requests)
+                         config.max_waiting_requests, max_num_seqs=config.max_num_seqs)
     app = build_app(engine, config.model_name, config.request_timeout)
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, timeout_graceful_shutdown=5,
                                            lifespan="off"))

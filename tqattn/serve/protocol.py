@@ -100,7 +100,7 @@ class _SamplingFields(BaseModel):
             return SamplingParams(**kw)
         except ValueError as e:
             msg = str(e)
-            param = next((k for k in kw if msg.startswith(k)), None)
+            param = next((k for k in kw if msg.startswith(k + " ")), None)
             if param == "max_tokens":
                 param = self._max_tokens_field()
                 msg = msg.replace("max_tokens", param, 1)
@@ -173,6 +173,11 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
         raise APIError(f"the body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(f"the body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    bad = _lone_surrogate(body)
+    if bad is not None:
+        loc, s = bad
+        raise APIError(f"{loc}: {_short(s)} holds a lone UTF-16 surrogate, which is not Unicode text",
+                       param=loc)
     try:
         req = model.model_validate(body)
     except ValidationError as e:
@@ -184,6 +189,23 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
                        param=loc) from None
     req.check()
     return req
+
+
+def _lone_surrogate(x, loc: str = "") -> tuple[str, str] | None:
+    """(where, the string) of the first string in x that UTF-8 cannot encode (JSON's "\\ud800"
+    escapes decode to such strings; the tokenizer would fail on them), or None."""
+    if isinstance(x, str):
+        try:
+            x.encode()
+        except UnicodeEncodeError:
+            return loc or "body", x
+    elif isinstance(x, (dict, list)):
+        items = x.items() if isinstance(x, dict) else enumerate(x)
+        for k, v in items:
+            bad = _lone_surrogate(v, f"{loc}.{k}" if loc else str(k))
+            if bad is not None:
+                return bad
+    return None
 
 
 def _is_type_tag(x) -> bool:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .async_engine import AsyncEngine, EngineError, QueueFull, RequestStream
+from .async_engine import AsyncEngine, EngineError, EngineStopped, QueueFull, RequestStream
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_response,
                        completion_chunk, completion_response, error_body, new_id, parse, usage)
 
@@ -41,6 +42,8 @@ class _EngineStreamingResponse(StreamingResponse):
 
 
 _DONE = b"data: [DONE]\n\n"
+_REQUEST_ID = re.compile(r"^request '[^']*': ")  # the engine's id: not the one the client sees
+_PROMPT_TOKENS = re.compile(r"prompt \((\d+) tokens\)|prompt has (\d+) tokens")
 _MARK = "\x00text\x00"  # where a chunk template's text goes
 _encode_str = json.JSONEncoder(ensure_ascii=False).encode
 
@@ -109,7 +112,7 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
             raise APIError(f"the model {req.model!r} does not exist; this server serves {model_name!r}",
                            status=404, param="model", code="model_not_found")
 
-    async def start(prompt, params) -> RequestStream:
+    async def start(prompt, params, req) -> RequestStream:
         try:
             return await engine.add_request(prompt, params)
         except QueueFull as e:
@@ -118,16 +121,26 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
         except EngineError as e:
             raise APIError(str(e), status=503, type="service_unavailable") from None
         except ValueError as e:
-            msg = " ".join(str(e).split())
-            param = "prompt" if "token ids" in msg or "prompt is empty" in msg or "tokenizer" in msg else None
-            raise APIError(msg, param=param) from None
+            msg = _REQUEST_ID.sub("", " ".join(str(e).split()))
+            prompt_field = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+            code = None
+            if "exceeds max_model_len" in msg or "leaving no room to generate" in msg:
+                # the prompt alone too long, or the room it leaves too small for max_tokens
+                n = _PROMPT_TOKENS.search(msg)
+                alone = n is None or int(n.group(1) or n.group(2)) >= max_model_len
+                param, code = prompt_field if alone else req._max_tokens_field(), "context_length_exceeded"
+            elif "token ids" in msg or "prompt is empty" in msg or "tokenizer" in msg:
+                param = prompt_field
+            else:
+                param = None
+            raise APIError(msg, param=param, code=code) from None
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await request.body())
         check_model(req)
         params = req.sampling_params()
-        stream = await start(req.engine_prompt(), params)
+        stream = await start(req.engine_prompt(), params, req)
         rid = new_id("cmpl")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -142,7 +155,7 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
         req = parse(ChatCompletionRequest, await request.body())
         check_model(req)
         params = req.sampling_params()
-        stream = await start(_chat_prompt(req), params)
+        stream = await start(_chat_prompt(req), params, req)
         rid = new_id("chatcmpl")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -180,6 +193,8 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
             if task in done:
                 try:
                     return task.result()
+                except EngineStopped as e:  # shutting down: retry elsewhere or later
+                    raise APIError(str(e), status=503, type="service_unavailable") from None
                 except EngineError as e:
                     raise APIError(str(e), status=500, type="internal_error") from None
             task.cancel()
@@ -212,7 +227,8 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
         except (asyncio.TimeoutError, EngineError) as e:
             stream.abort()
             if isinstance(e, EngineError):
-                yield chunks.event(error_body(str(e), "internal_error"))
+                what = "service_unavailable" if isinstance(e, EngineStopped) else "internal_error"
+                yield chunks.event(error_body(str(e), what))
             else:
                 yield chunks.event(error_body(f"the request ran past the server's request timeout of "
                                               f"{request_timeout} s and was aborted", "timeout_error", None,

@@ -21,7 +21,8 @@ from .frontend import FrontendConfig, uvicorn_module
 logger = logging.getLogger("tqattn.serve")
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one); OSError if that fails."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -36,12 +37,14 @@ def _bind(host: str, port: int) -> socket.socket:
 
 class Server:
     """An OpenAI-compatible server over one LLMEngine. ``port=0`` takes a free port (see ``url``).
-    The socket is bound here (a taken port raises OSError at once); the front end process
-    accepts on it."""
+    The socket is bound here (a taken port raises OSError at once), or passed in already bound
+    (``sock``, from :func:`bind`: ``tqattn serve`` binds before the model loads); the front end
+    process accepts on it."""
 
     def __init__(self, engine: LLMEngine, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, max_waiting_requests: int = 256,
-                 request_timeout: float | None = None, log_level: str = "info"):
+                 request_timeout: float | None = None, log_level: str = "info",
+                 sock: socket.socket | None = None):
         uvicorn_module()
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
@@ -49,7 +52,7 @@ class Server:
         self.engine = engine
         self.model_name = served_model_name or engine.loaded.name
         self.host = host
-        self._sock = _bind(host, port)
+        self._sock = sock if sock is not None else bind(host, port)
         self.port = self._sock.getsockname()[1]
         commands_r, commands_w = os.pipe()
         events_r, events_w = os.pipe()
@@ -57,7 +60,7 @@ class Server:
                                       Connection(commands_r, writable=False))
         self._config = FrontendConfig(self.model_name, engine.tokenizer,
                                       engine.scheduler.config.max_model_len, max_waiting_requests,
-                                      request_timeout, log_level)
+                                      request_timeout, log_level, engine.scheduler.config.max_num_seqs)
         self._child_fds = (self._sock.fileno(), commands_w, events_r)
         self._frontend: subprocess.Popen | None = None
         self._stopped = False

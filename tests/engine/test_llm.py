@@ -197,11 +197,17 @@ def test_sampling_params_validation():
                           (dict(seed="x"), "seed.*'x'"), (dict(seed=2**64), "seed.*18446744073709551616"),
                           (dict(seed=-2**63 - 1), "seed.*-9223372036854775809"),
                           (dict(temperature=float("inf")), "finite.*inf"),
-                          (dict(temperature=float("nan")), "finite.*nan")]:
+                          (dict(temperature=float("nan")), "finite.*nan"),
+                          (dict(ignore_eos="false"), "ignore_eos must be True or False, got 'false'"),
+                          (dict(skip_special_tokens=None), "skip_special_tokens.*None"),
+                          (dict(stop_token_ids="5"), "stop_token_ids.*'5'"),
+                          (dict(stop_token_ids=5.0), "stop_token_ids.*5.0")]:
         with pytest.raises(ValueError, match=match):
             SamplingParams(**kwargs)
     assert SamplingParams(stop="x", top_k=-1).stop == ["x"]
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-2**63).seed == -2**63
+    assert SamplingParams(stop_token_ids=5).stop_token_ids == [5]
+    assert SamplingParams(stop_token_ids=iter((3, 4))).stop_token_ids == [3, 4]
 
 
 def test_a_request_refused_leaves_nothing_behind(monkeypatch):
@@ -239,7 +245,16 @@ def test_errors_say_what_to_change(tmp_path):
         llm.generate({"prompt_token_ids": [5] * 130}, SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="\\[300\\] are not in \\[0, 256\\)"):
         llm.generate({"prompt_token_ids": [5, 300]})
+    # in a batch the error names the prompt by its place in the list, not by an engine id
+    with pytest.raises(ValueError, match="^prompts\\[1\\]: prompt \\(130 tokens\\)"):
+        llm.generate([{"prompt_token_ids": [5]}, {"prompt_token_ids": [5] * 130}], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="a list of token ids is one prompt"):
+        llm.generate([5, 6, 7])
+    with pytest.raises(ValueError, match="^prompts: .*got 123$"):
+        llm.generate(123)
     assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in \\(0, 1\\], got '0.9'"):
+        LLM("llama-tiny", **SMALL, gpu_memory_utilization="0.9")
 
     with pytest.raises(ValueError, match="max_model_len=128 tokens needs 8 blocks.*raise num_gpu_blocks_override"):
         LLM("llama-tiny", **SMALL, num_gpu_blocks_override=4)

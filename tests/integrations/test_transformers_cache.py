@@ -317,6 +317,18 @@ def test_bad_arguments_are_named():
     assert DEFAULT_RESIDUAL_LENGTH >= 0
 
 
+def test_architectures_it_cannot_hold_are_refused_at_construction():
+    # latent (MLA) attention, a state-space model and an encoder-decoder: a clear ValueError
+    # when the cache is built, not an AttributeError or a shape error in the first forward
+    from transformers import DeepseekV3Config, MambaConfig, T5Config
+
+    for config, words in [(DeepseekV3Config(num_hidden_layers=2), "latent \\(MLA\\) attention"),
+                          (MambaConfig(num_hidden_layers=2), "no num_attention_heads"),
+                          (T5Config(num_layers=2), "no max_position_embeddings")]:
+        with pytest.raises(ValueError, match="TurboQuantCache cannot hold this model's layers: .*" + words):
+            TurboQuantCache(config, "tq_k4v3")
+
+
 # ---- key centering ----------------------------------------------------------------------------
 
 def test_centered_layer_returns_its_keys_and_spends_the_bits_on_what_varies():

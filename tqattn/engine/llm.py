@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 
 import torch
@@ -15,6 +16,12 @@ from .sampling import SamplingParams
 from .streaming import IncrementalOutput, StreamOutput
 
 Prompt = str | dict
+_REQUEST_ID = re.compile(r"^request '[^']*': ")
+
+
+def _short(x, limit: int = 60) -> str:
+    s = repr(x)
+    return s if len(s) <= limit else s[:limit] + "..."
 
 
 class LLM:
@@ -66,7 +73,13 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        what = "prompts: a string, {'prompt_token_ids': [...]} or a list of them, got "
+        if not isinstance(prompts, Iterable):
+            raise ValueError(what + _short(prompts))
         prompts = list(prompts)
+        if prompts and all(isinstance(p, int) for p in prompts):
+            raise ValueError(what + _short(prompts) + "; a list of token ids is one prompt: pass "
+                             "{'prompt_token_ids': [...]}")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -77,12 +90,16 @@ class LLM:
                              f"pass one, or one per prompt")
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in prompts]
+        i = 0
         try:
-            for rid, prompt, sp in zip(ids, prompts, sampling_params):
+            for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, sampling_params)):
                 engine.add_request(rid, prompt, sp)
-        except Exception:
+        except Exception as e:
             for rid in ids:
                 engine.abort_request(rid)
+            if isinstance(e, ValueError):  # say which prompt, not the engine's id for it
+                where = f"prompts[{i}]: " if len(prompts) > 1 else ""
+                raise ValueError(where + _REQUEST_ID.sub("", str(e))) from None
             raise
         return self._run(ids, use_tqdm)
 

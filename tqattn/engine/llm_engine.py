@@ -97,7 +97,8 @@ class EngineArgs:
         if self.kv_cache_dtype not in allowed:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not known; use 'auto' or one "
                              f"of the presets: {', '.join(PRESETS)} (see `tqattn presets`)")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0 < gmu <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
             v = getattr(self, name)

@@ -50,9 +50,15 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        ids = self.stop_token_ids
+        ids = [] if ids is None else [ids] if _is_int(ids) else ids
+        ids = None if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__") else list(ids)
+        if ids is None or not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = ids
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
 

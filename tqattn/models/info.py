@@ -38,6 +38,16 @@ _KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def model_info(hf_config: Any) -> ModelInfo:
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    kind = getattr(cfg, "model_type", type(cfg).__name__)
+    missing = [a for a in ("num_hidden_layers", "num_attention_heads", "hidden_size",
+                           "max_position_embeddings") if not isinstance(getattr(cfg, a, None), int)]
+    if missing:
+        raise ValueError(f"a {kind!r} config has no {', '.join(missing)}: not a decoder of "
+                         f"attention layers this project runs")
+    v_head_dim = getattr(cfg, "v_head_dim", None)
+    if getattr(cfg, "kv_lora_rank", None) or v_head_dim not in (None, getattr(cfg, "head_dim", None)):
+        raise ValueError(f"a {kind!r} config has latent (MLA) attention or value heads of another size "
+                         f"than its keys; the cache holds keys and values of one head size")
     n_layers = cfg.num_hidden_layers
     n_q = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_q

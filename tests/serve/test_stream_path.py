@@ -113,17 +113,29 @@ def test_a_reader_behind_gets_the_pieces_merged_and_errors_after_them():
     asyncio.run(main())
 
 
-def test_the_engine_thread_hands_the_loop_one_batch_per_step(tiny_model_dir):
-    """8 concurrent requests of 12 tokens, both ends of the server's pipes in this process: the
-    loop is called at most once per engine step (and once per accepted request), not once per
-    token; each stream gets its request's tokens."""
-    engine = make_engine(tiny_model_dir)
+def _both_ends(engine):
+    """The server's engine loop and its AsyncEngine over the two pipes, both in this process,
+    started; and the function that stops them."""
     commands_in, commands_out = multiprocessing.Pipe(duplex=False)
     events_in, events_out = multiprocessing.Pipe(duplex=False)
     engine_loop = EngineLoop(engine, events_out, commands_in)
     async_engine = AsyncEngine(commands_out, events_in, engine.tokenizer, 256)
     engine_loop.start()
     async_engine.start()
+
+    def close():
+        engine_loop.shutdown()
+        commands_out.close()
+        engine_loop.close()
+    return engine_loop, async_engine, close
+
+
+def test_the_engine_thread_hands_the_loop_one_batch_per_step(tiny_model_dir):
+    """8 concurrent requests of 12 tokens, both ends of the server's pipes in this process: the
+    loop is called at most once per engine step (and once per accepted request), not once per
+    token; each stream gets its request's tokens."""
+    engine = make_engine(tiny_model_dir)
+    engine_loop, async_engine, close = _both_ends(engine)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     calls = []
 
@@ -146,9 +158,7 @@ def test_the_engine_thread_hands_the_loop_one_batch_per_step(tiny_model_dir):
     try:
         results, num_calls = asyncio.run(main())
     finally:
-        engine_loop.shutdown()
-        commands_out.close()
-        engine_loop.close()
+        close()
     for tokens, final in results:
         assert len(tokens) == 12 and tokens == final
     assert num_calls <= 8 + engine_loop.num_steps < 8 * 12, (num_calls, engine_loop.num_steps)
@@ -182,12 +192,7 @@ def test_a_failed_step_fails_what_runs_and_the_engine_serves_on(tiny_model_dir):
         return real_step()
 
     engine.step = step
-    commands_in, commands_out = multiprocessing.Pipe(duplex=False)
-    events_in, events_out = multiprocessing.Pipe(duplex=False)
-    engine_loop = EngineLoop(engine, events_out, commands_in)
-    async_engine = AsyncEngine(commands_out, events_in, engine.tokenizer, 256)
-    engine_loop.start()
-    async_engine.start()
+    engine_loop, async_engine, close = _both_ends(engine)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     async def run(prompt, p=params):
@@ -212,9 +217,7 @@ def test_a_failed_step_fails_what_runs_and_the_engine_serves_on(tiny_model_dir):
     try:
         asyncio.run(main())
     finally:
-        engine_loop.shutdown()
-        commands_out.close()
-        engine_loop.close()
+        close()
     assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0
 
 

@@ -207,6 +207,13 @@ def test_sampling_params_validation():
     assert SamplingParams(stop="x", top_k=-1).stop == ["x"]
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-2**63).seed == -2**63
     assert SamplingParams(stop_token_ids=5).stop_token_ids == [5]
+    # vLLM's options this sampler lacks: accepted at their neutral values, refused otherwise
+    assert SamplingParams(n=1, best_of=None, presence_penalty=0.0, repetition_penalty=1.0, logprobs=None)
+    for kwargs, match in [(dict(n=2), "n=2 is not supported.*only 1"),
+                          (dict(presence_penalty=0.5), "presence_penalty=0.5"),
+                          (dict(logprobs=5), "logprobs=5.*LLM.score"), (dict(min_p=0.1), "min_p=0.1")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kwargs)
     assert SamplingParams(stop_token_ids=iter((3, 4))).stop_token_ids == [3, 4]
 
 

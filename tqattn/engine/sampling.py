@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 GREEDY_BELOW = 1e-5
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+# vLLM's sampling options this sampler does not implement, and the values that change nothing:
+# code written for vLLM runs as long as it does not ask for them
+NEUTRAL_ONLY: dict[str, tuple] = {
+    "n": (1,), "best_of": (None, 1), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "min_p": (0, 0.0), "logprobs": (None,), "prompt_logprobs": (None,),
+}
 
 
 def _is_int(x) -> bool:
@@ -28,8 +34,23 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None  # per-request generator: same seed, same tokens
     skip_special_tokens: bool = True
+    # accepted at NEUTRAL_ONLY's values only
+    n: int = field(default=1, repr=False)
+    best_of: int | None = field(default=None, repr=False)
+    presence_penalty: float = field(default=0.0, repr=False)
+    frequency_penalty: float = field(default=0.0, repr=False)
+    repetition_penalty: float = field(default=1.0, repr=False)
+    min_p: float = field(default=0.0, repr=False)
+    logprobs: int | None = field(default=None, repr=False)
+    prompt_logprobs: int | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        for name, neutral in NEUTRAL_ONLY.items():
+            v = getattr(self, name)
+            if not any(type(v) is type(x) and v == x for x in neutral):
+                hint = "; LLM.score gives log-probabilities" if "logprobs" in name else ""
+                raise ValueError(f"{name}={v!r} is not supported by this sampler (only "
+                                 f"{' or '.join(map(repr, neutral))}); leave it out{hint}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")

@@ -119,3 +119,86 @@ def test_placeholders_fed_from_the_step_before_and_aborts_in_flight():
     assert [o.outputs[0].token_ids for o in done] == [ref[0].outputs[0].token_ids,
                                                        ref[2].outputs[0].token_ids]
     assert _all_blocks_free(llm)
+
+
+GREEDY3 = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+def test_an_aborted_id_can_run_again_while_its_last_step_is_in_flight():
+    # "a" finished by length in the step in flight; aborted, then added again: the old output
+    # is dropped and the new "a" runs to its own end (it once came back with a placeholder and
+    # left the engine raising KeyError on every step)
+    llm = LLM("llama-tiny", **SMALL, async_scheduling=True)
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, GREEDY3)
+    while not engine.requests["a"].seq.is_finished:
+        engine.step()
+    assert engine.abort_request("a")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [9, 9, 9, 9]}, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.prompt_token_ids for o in outputs] == [[9, 9, 9, 9]]
+    alone = LLM("llama-tiny", **SMALL).generate({"prompt_token_ids": [9, 9, 9, 9]}, params, use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert _all_blocks_free(llm)
+
+
+def test_streams_end_with_the_engine_idle():
+    # a stream stopped early, or ended by its stop token while its next decode was in flight,
+    # leaves no request behind: the next stream, score() and generate() run
+    llm = LLM("llama-tiny", **SMALL, async_scheduling=True)
+    p = {"prompt_token_ids": list(range(1, 10))}
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True)
+    full = llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids
+    for i, _ in enumerate(llm.stream(p, params)):
+        if i == 2:
+            break
+    k = next(i for i, t in enumerate(full) if i >= 3 and t not in full[:i])
+    stop = SamplingParams(temperature=1.0, seed=1, max_tokens=20, stop_token_ids=[full[k]])
+    pieces = list(llm.stream(p, stop))
+    assert pieces[-1].finished and pieces[-1].output.outputs[0].token_ids == full[:k + 1]
+    assert sum((x.token_ids for x in pieces), []) == full[:k + 1]
+    assert llm.score([1, 2, 3]).shape[0] == 3
+    assert llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids == full
+    assert _all_blocks_free(llm) and not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_stream_whose_request_is_taken_away_raises_and_generate_waits_for_idle():
+    llm = LLM("llama-tiny", **SMALL, async_scheduling=False)
+    stream = llm.stream({"prompt_token_ids": [5, 6, 7]}, GREEDY3)
+    next(stream)
+    with pytest.raises(RuntimeError, match="generate\\(\\) runs on an idle engine"):
+        llm.generate({"prompt_token_ids": [8, 9]}, GREEDY3, use_tqdm=False)
+    rid = next(iter(llm.llm_engine.requests))
+    llm.llm_engine.abort_request(rid)
+    with pytest.raises(RuntimeError, match="finished or aborted outside the stream"):
+        next(stream)
+    assert llm.generate({"prompt_token_ids": [8, 9]}, GREEDY3, use_tqdm=False)[0].outputs[0].token_ids
+    assert _all_blocks_free(llm)
+
+
+def test_a_launch_that_raises_keeps_the_step_in_flight():
+    # the step launched before keeps its tokens: "a"'s output still comes
+    llm = LLM("llama-tiny", **SMALL, async_scheduling=True)
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, GREEDY3)
+    while not engine.requests["a"].seq.is_finished:
+        engine.step()
+    engine.add_request("b", {"prompt_token_ids": [8, 9]}, GREEDY3)
+    launch = engine.runner.launch
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    engine.runner.launch = boom
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine.runner.launch = launch
+    engine.abort_request("b")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs] == ["a"] and not engine.requests
+    assert len(outputs[0].outputs[0].token_ids) == 3

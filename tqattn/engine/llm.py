@@ -89,6 +89,10 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
                              f"pass one, or one per prompt")
         engine = self.llm_engine
+        engine.flush()
+        if engine.has_unfinished_requests():  # their outputs would be read here and lost
+            raise RuntimeError("generate() runs on an idle engine; finish the stream in progress or "
+                               "abort the running requests first")
         ids = [str(next(self._ids)) for _ in prompts]
         i = 0
         try:
@@ -115,6 +119,7 @@ class LLM:
             raise ValueError(f"stream() takes one prompt (a string or {{'prompt_token_ids': [...]}}), "
                              f"got {type(prompt).__name__}; use generate() for batches")
         engine = self.llm_engine
+        engine.flush()
         if engine.has_unfinished_requests():
             raise RuntimeError("stream() runs on an idle engine; finish or abort the running requests first")
         params = sampling_params or SamplingParams()
@@ -128,6 +133,9 @@ class LLM:
                         yield inc.finish(out)
                         return
                 progress = engine.request_progress(rid)
+                if progress is None and rid not in engine.requests:
+                    raise RuntimeError("the stream's request was finished or aborted outside the "
+                                       "stream (by generate() or abort_request between its pieces)")
                 piece = inc.update(*progress) if progress is not None else None
                 if piece is not None:
                     yield piece
@@ -174,6 +182,7 @@ class LLM:
         if need > min(engine.block_manager.num_blocks):
             raise ValueError(f"{n} tokens need {need} KV blocks; the cache has "
                              f"{min(engine.block_manager.num_blocks)}")
+        engine.flush()
         if engine.has_unfinished_requests():
             raise RuntimeError("score() runs on an idle engine; finish or abort the running requests first")
         return engine.score(ids, chunk_size, logprobs_start)
@@ -194,6 +203,7 @@ class LLM:
                     if bar is not None:
                         bar.set_postfix_str(f"output {n_out / (time.perf_counter() - start):.1f} tok/s")
                         bar.update(1)
+            engine.flush()  # the engine idle, as before async scheduling: no step left in flight
         except BaseException:
             for rid in ids:
                 engine.abort_request(rid)

@@ -549,7 +549,23 @@ class LLMEngine:
         return ids
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or self._inflight_is_live()
+
+    def _is_live(self, seq: Sequence) -> bool:
+        req = self.requests.get(seq.seq_id)
+        return req is not None and req.seq is seq  # not aborted (its id may run again since)
+
+    def _inflight_is_live(self) -> bool:
+        """Whether the step in flight holds an output or tokens of a live request."""
+        s = self._inflight
+        return s is not None and (any(map(self._is_live, s.finished))
+                                  or any(self._is_live(x.seq) for x in s.out.scheduled))
+
+    def flush(self) -> None:
+        """Read a step still in flight whose requests have all gone (a finished or abandoned
+        stream's next decode, launched before its last token was read): the engine is idle."""
+        if self._inflight is not None and not self.has_unfinished_requests():
+            self.step()
 
     # ---- scoring ---------------------------------------------------------------------------------
 
@@ -609,7 +625,6 @@ class LLMEngine:
         start = time.perf_counter()
         out = self.scheduler.schedule()
         prev, launched = self._inflight, None
-        self._inflight = None
         if not out.is_empty:
             for s in out.scheduled:
                 m = self.requests[s.seq.seq_id].metrics
@@ -618,6 +633,7 @@ class LLMEngine:
                           if r.generator is not None}
             tokens = self.runner.launch(out.scheduled, generators, prev.tokens if prev else None)
             launched = _Inflight(out, tokens, graph_bucket=self.runner.last_graph_bucket)
+        self._inflight = None  # after the launch: a launch that raises leaves prev to read
         finished, wait = [], 0.0
         if prev is not None:  # its tokens before this step's placeholders
             wait = self._complete(prev, finished)
@@ -632,8 +648,8 @@ class LLMEngine:
         outputs = []
         now = time.perf_counter()
         for seq in finished:
-            req = self.requests.pop(seq.seq_id, None)
-            if req is not None:  # None: aborted while its last step ran
+            if self._is_live(seq):  # else aborted while its last step ran
+                req = self.requests.pop(seq.seq_id)
                 req.metrics.finished_time = now
                 outputs.append(self._output(req))
         if launched is not None:
@@ -651,9 +667,10 @@ class LLMEngine:
         values = step.tokens.host()
         now = step.done_at = time.perf_counter()
         finished.extend(step.finished)
+        seqs = {s.seq.seq_id: s.seq for s in step.out.scheduled}
         for seq_id, token in zip(step.tokens.seq_ids, values):
             req = self.requests.get(seq_id)
-            if req is None:  # aborted meanwhile
+            if req is None or req.seq is not seqs.get(seq_id):  # aborted meanwhile
                 continue
             seq = req.seq
             if seq.token_ids[-1] != PLACEHOLDER:  # not advanced by the step (finished before it)

@@ -143,8 +143,8 @@ def _generate_stream(args, llm, params, token_prompts, chat: bool) -> int:
             pieces = llm.stream(token_prompts[i] if token_prompts else p, params)
         last = None
         for last in pieces:
-            print(last.text if llm.tokenizer is not None else " ".join(map(str, last.token_ids)),
-                  end="", flush=True)
+            text = last.text if llm.tokenizer is not None else "".join(f" {t}" for t in last.token_ids)
+            print(text, end="", flush=True)
         print(flush=True)
         if last is not None:
             _warn_empty_replies(llm, [last.output], chat)

@@ -162,3 +162,16 @@ def test_startup_line_names_the_builds():
     assert report.startup_line(r).endswith("warmup 26.40; no warm-up; precompile failed (see the log)")
     del r["startup_builds"]  # a result written before the builds were recorded
     assert report.startup_line(r) == "- `tq_k4v3`: load 1.00, warmup 26.40"
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["bench", "throughput", "--warmup-prompts", "-1"], "'-1'"),
+    (["bench", "throughput", "--temperature", "nan"], "'nan'"),
+    (["bench", "serve", "--warmup-prompts", "-2"], "'-2'"),
+])
+def test_bench_flags_are_checked_before_any_engine_starts(argv, named, capsys):
+    from tqattn.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and named in capsys.readouterr().err

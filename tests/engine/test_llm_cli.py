@@ -40,6 +40,14 @@ def test_generate_human_output_and_routing(capsys):
     assert "TURBOQUANT x1" in text and "FLASH_ATTN x3" in text and ">>> 1,2,3,4" in text
 
 
+def test_generate_stream_without_tokenizer_separates_the_token_ids(capsys):
+    assert main(["generate", *TINY, "--max-tokens", "4", "--json", "--ignore-eos", "5,6,7"]) == 0
+    ids = json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]
+    assert main(["generate", *TINY, "--max-tokens", "4", "--ignore-eos", "--stream", "5,6,7"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[lines.index(">>> 5,6,7") + 1].split() == [str(t) for t in ids]
+
+
 def test_generate_errors(capsys):
     assert main(["generate", "--model", "llama-tiny", "--load-format", "dummy", "--max-model-len", "64",
                  "hi"]) == 1

@@ -28,6 +28,10 @@ def test_parser_shapes():
                        "--context", "8192", "--engine-arg", "max_model_len=8192"])
     assert a.presets == ["tq_k3v4", "turboquant_k3v4_nc"] and a.context == [2048, 8192]
     assert cli._engine_args(a.engine_arg) == {"max_model_len": 8192}
+    with pytest.raises(ValueError, match="'bogus' is not an engine argument.*allowed: .*max_model_len"):
+        cli._engine_args(["bogus=1"])
+    with pytest.raises(ValueError, match="'kv_cache_dtype' is not an engine argument"):
+        cli._engine_args(["kv_cache_dtype=tq_k3v3"])   # the command sets it per preset
     a = ap.parse_args(["eval", "niah", "--contexts", "1024,2048", "--depths", "0.25,0.75"])
     assert (a.contexts, a.depths) == ([1024, 2048], [0.25, 0.75])
     a = ap.parse_args(["eval", "report", "--skip", "niah,gsm"])
@@ -38,6 +42,8 @@ def test_parser_shapes():
     ["eval", "ppl", "--presets", "tq_k9"],
     ["eval", "gsm8k", "--limit", "0"],
     ["eval", "niah", "--depths", "a,b"],
+    ["eval", "niah", "--depths", ""],
+    ["eval", "niah", "--contexts", ","],
 ])
 def test_bad_arguments_exit(argv, capsys):
     with pytest.raises(SystemExit):
@@ -101,3 +107,15 @@ def test_several_gsm8k_configs_print_a_table_and_fail_if_one_fails(tmp_path, mon
     assert table.count("| yes |") == 2 and table.count("| **no** |") == 1
     assert [r["kv_cache_dtype"] for r in json.loads(out.read_text())["results"]] == \
         ["tq_k4v3", "tq_k4v4", "tq_k3v4"]
+
+
+def test_an_output_path_that_cannot_be_written_fails_before_the_run(tmp_path):
+    # a file where the results folder should be: refused at once, naming the path
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match="cannot write results to .*file"):
+        cli.writable_dir(blocker / "sub")
+    assert cli.writable_dir(tmp_path / "a" / "b").is_dir()
+    args = _parser().parse_args(["eval", "niah", "--out-dir", str(blocker / "sub")])
+    with pytest.raises(OSError, match="cannot write results"):
+        args.func(args)   # before any model loads (there is none to load here)

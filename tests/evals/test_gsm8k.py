@@ -134,13 +134,17 @@ def test_config_missing_key_and_file(tmp_path):
     assert gsm8k.load_config(str(good)).name == "mine"
 
 
-def test_overrides():
+def test_overrides(tmp_path):
     cfg = gsm8k.load_config("Qwen3-4B-TQ-k8v4")
     with pytest.raises(ConfigError, match="--data"):
         gsm8k.load_items(cfg, 2)
     c2 = gsm8k.override(cfg, model="/models/q", data="gsm_symbolic:42", load_format="dummy")
     assert (c2.model, c2.data, c2.load_format) == ("/models/q", {"source": "gsm_symbolic", "seed": 42}, "dummy")
     assert gsm8k.override(cfg, data="t.jsonl").data == {"source": "jsonl", "path": "t.jsonl"}
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="holds no GSM8K questions"):
+        gsm8k.load_items(gsm8k.override(cfg, data=str(empty)), 2)
     with pytest.raises(ConfigError, match="shot_seed"):
         gsm8k.override(cfg, data="gsm_symbolic:7")
 
@@ -184,7 +188,7 @@ def test_threshold_gate_fails(fake_params):
     res = gsm8k.run_gsm8k(cfg, limit=3, factory=lambda kv: FakeLLM(kv, _answers(set())))
     assert res["accuracy"] == 0.0 and not res["passed"]
     assert res["checks"] == [{"rule": "threshold - tolerance", "tolerance": 0.1, "bound": 0.4,
-                             "passed": False}]
+                             "passed": False, "vacuous": False}]
 
 
 def test_max_drop_runs_auto_first(fake_params):
@@ -241,6 +245,11 @@ def test_sigma_tolerances():
     assert gsm8k.sigma_max_drop(10, 3) > gsm8k.sigma_max_drop(100, 3)    # fewer problems, wider
     with pytest.raises(ValueError, match="at least one problem"):
         gsm8k.sigma_max_drop(0, 3)
+    # a bound at or below zero passes any accuracy: the check is marked vacuous
+    rule = {"max_drop_sigmas": 3}
+    few, many = gsm8k._checks(rule, 0.0, 0.5, 2), gsm8k._checks(rule, 0.48, 0.5, 2000)
+    assert few[0]["passed"] and few[0]["vacuous"] and few[0]["bound"] <= 0
+    assert many[0]["passed"] and not many[0]["vacuous"]
 
 
 def test_chance_accuracy():

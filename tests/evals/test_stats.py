@@ -104,3 +104,14 @@ def test_unit_checks():
         stats.paired_diff_ci(_units(5), _units(6), "ppl_ref")
     with pytest.raises(ValueError, match="one length"):
         stats.bootstrap_ci({"n": np.ones(3), "nll_ref": np.ones(4)}, "ppl_ref")
+
+
+def test_one_unit_has_no_interval_and_excludes_nothing():
+    # one window is one bootstrap unit: no spread to resample, so no "95 %" interval (it would be
+    # zero-wide) and no significance
+    one = {**_units(1), "kl": np.array([1.5])}
+    v, lo, hi = stats.bootstrap_ci(one, "kl")
+    assert v == stats.figure(one, "kl") and math.isnan(lo) and math.isnan(hi)
+    other = {**one, "kl": one["kl"] * 2}
+    d = stats.paired_diff_ci(one, other, "kl")
+    assert d["diff"] < 0 and math.isnan(d["low"]) and not d["excludes_zero"]

@@ -7,11 +7,10 @@ import json
 import logging
 import shlex
 import sys
-from pathlib import Path
 
-from tqattn.engine.arg_utils import add_engine_args, kv_cache_dtype
+from tqattn.engine.arg_utils import add_engine_args, kv_cache_dtype, non_negative_int, temperature
 from tqattn.engine.arg_utils import engine_kwargs_from_args as engine_kwargs
-from tqattn.evals.cli import _positive
+from tqattn.evals.cli import _positive, writable_dir
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,9 +32,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=_positive, help="override the workload's number of prompts")
     p.add_argument("--input-len", type=_positive, help="override the workload's prompt length")
     p.add_argument("--output-len", type=_positive, help="override the workload's output length")
-    p.add_argument("--warmup-prompts", type=int, default=0,
+    p.add_argument("--warmup-prompts", type=non_negative_int, default=0,
                    help="generate this many prompts (up to 16 tokens each) before the measured run")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
     p.add_argument("--out-dir", default="bench_throughput", help="JSON, markdown and PNG go here")
     _add_engine_args(p)
     p.set_defaults(func=cmd_throughput)
@@ -57,7 +56,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second (Poisson arrivals); inf: all at once")
     p.add_argument("--max-concurrency", type=_positive, help="requests in flight at most")
-    p.add_argument("--warmup-prompts", type=int, default=4, help="requests sent (and not measured) first")
+    p.add_argument("--warmup-prompts", type=non_negative_int, default=4,
+                   help="requests sent (and not measured) first")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
     p.add_argument("--out-dir", default="bench_serve", help="JSON and markdown go here")
     p.add_argument("--tag", default="serve", help="file name stem")
@@ -105,17 +105,16 @@ def cmd_throughput(args) -> int:
     from . import report
     from .throughput import WORKLOADS, run_throughput
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("tqattn").setLevel(logging.INFO)  # progress lines, through the command's handler
     w = WORKLOADS[args.workload]
     w = dataclasses.replace(w, **{k: v for k, v in (("num_prompts", args.num_prompts),
                                                      ("input_len", args.input_len),
                                                      ("output_len", args.output_len)) if v is not None})
     engine_kwargs = engine_kwargs_from_args(args, w)
+    out = writable_dir(args.out_dir)
     command = "tqattn " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = run_throughput(args.model, args.kv_cache_dtypes, w, engine_kwargs, seed=args.seed,
                             temperature=args.temperature, warmup_prompts=args.warmup_prompts, command=command)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"throughput_{w.name}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
     (out / f"{stem}.md").write_text(report.markdown(result))

@@ -98,21 +98,44 @@ def _model_args(p):
 
 
 def _setup_logging():
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    # progress lines ("accuracy ...", "PPL ..."), through the handler `tqattn` set up
+    logging.getLogger("tqattn").setLevel(logging.INFO)
 
 
 def _engine_args(items: list[str]) -> dict:
+    import dataclasses
+
+    from tqattn.engine.llm_engine import EngineArgs
+
+    # the command sets these itself (per preset / from the config)
+    allowed = sorted({f.name for f in dataclasses.fields(EngineArgs)} - {"model", "kv_cache_dtype", "load_format"})
     out = {}
     for item in items:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise SystemExit(f"--engine-arg expects KEY=VALUE, got {item!r}")
+        if key not in allowed:
+            raise ValueError(f"--engine-arg {key!r} is not an engine argument this command takes; "
+                             f"allowed: {', '.join(allowed)}")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+def writable_dir(path: str | Path) -> Path:
+    """The folder, created if missing and checked writable before a run, so that a bad output
+    path fails in a second, not after the run (OSError naming it)."""
+    d = Path(path)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / ".tqattn_write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"cannot write results to {str(d)!r}: {e.strerror or e}") from None
+    return d
 
 
 def _write_json(obj, path: str | None) -> None:
@@ -139,6 +162,8 @@ def cmd_gsm8k(args) -> int:
         return 0
     if not args.config:
         raise SystemExit("eval gsm8k: --config is required (or --list)")
+    if args.output:
+        writable_dir(Path(args.output).parent)
     _setup_logging()
     cfgs = [gsm8k.override(gsm8k.load_config(c), model=args.model, data=args.data,
                            load_format=args.load_format) for c in gsm8k.expand_configs(args.config)]
@@ -147,7 +172,7 @@ def cmd_gsm8k(args) -> int:
     _write_json(results[0] if len(results) == 1 else {"results": results}, args.output)
     if len(results) == 1:
         res = results[0]
-        summary = {k: res[k] for k in ("config", "model", "kv_cache_dtype", "num_questions",
+        summary = {k: res[k] for k in ("config", "model", "kv_cache_dtype", "num_questions", "limited",
                                        "accuracy", "auto_accuracy", "chance", "checks", "passed",
                                        "elapsed_s")}
         print(json.dumps(summary, indent=1))
@@ -162,7 +187,8 @@ def gate_table(results: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         auto = "–" if r["auto_accuracy"] is None else f"{r['auto_accuracy']:.3f}"
-        bounds = ", ".join(f"{c['bound']:.3f}" for c in r["checks"])
+        bounds = ", ".join(f"{c['bound']:.3f}" + (" (vacuous)" if c.get("vacuous") else "")
+                           for c in r["checks"])
         lines.append(f"| {r['config']} | {r['kv_cache_dtype']} | {r['num_questions']} | "
                      f"{r['accuracy']:.3f} | {auto} | {r['chance']:.3f} | {bounds} | "
                      f"{'yes' if r['passed'] else '**no**'} |")
@@ -185,6 +211,8 @@ def cmd_ppl(args) -> int:
 
     _apply_download_opt_in(args)
 
+    if args.output:
+        writable_dir(Path(args.output).parent)
     _setup_logging()
     specs = [ppl.PPLSpec(source=s, context_len=c, chunk_size=args.chunk_size,
                          min_tokens=args.min_tokens, block_tokens=args.block_tokens,
@@ -209,12 +237,12 @@ def cmd_niah(args) -> int:
 
     _apply_download_opt_in(args)
 
+    out = writable_dir(args.out_dir)
     _setup_logging()
     factory = scoring.llm_factory(args.model, load_format=args.load_format,
                                   engine_args=_engine_args(args.engine_arg))
     res = niah.run_niah(factory, args.presets, contexts=args.contexts, depths=args.depths,
                         trials=args.trials, seed=args.seed)
-    out = Path(args.out_dir)
     _write_json(res, str(out / "niah.json"))
     for path in niah.plot_heatmaps(res, out, args.model):
         print(f"wrote {path}")
@@ -289,11 +317,17 @@ def _presets(s: str) -> list[str]:
 
 
 def _int_list(s: str) -> list[int]:
-    return [_positive(x) for x in _str_list(s)]
+    out = [_positive(x) for x in _str_list(s)]
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {s!r}")
+    return out
 
 
 def _float_list(s: str) -> list[float]:
     try:
-        return [float(x) for x in _str_list(s)]
+        out = [float(x) for x in _str_list(s)]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+        out = []
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}")
+    return out

@@ -405,6 +405,8 @@ def load_items(cfg: GSMConfig, n: int) -> list[evdata.GSMItem]:
         raise ConfigError(f"config {cfg.name} reads the GSM8K test set from a JSONL file: pass "
                           "--data PATH/test.jsonl (or --data gsm_symbolic for generated problems)")
     items = evdata.load_gsm8k_jsonl(path, n)
+    if not items:
+        raise ConfigError(f"{path} holds no GSM8K questions")
     if len(items) < n:
         logger.warning("%s has only %d questions (asked for %d)", path, len(items), n)
     return items
@@ -471,6 +473,8 @@ def _checks(rule: dict, acc: float, ref: float | None, n: int) -> list[dict]:
         checks.append({"rule": "auto accuracy - max_drop", "auto_accuracy": ref,
                        "max_drop": round(drop, 6), "bound": round(bound, 6),
                        "passed": acc >= bound - 1e-9})
+    for c in checks:  # a bound at or below 0 passes any accuracy: too few problems to test
+        c["vacuous"] = c["bound"] <= 0
     return checks
 
 
@@ -521,6 +525,10 @@ def run_gsm8k(cfg: GSMConfig, *, limit: int | None = None,
     acc = main["accuracy"]
     ref = runs["auto"]["accuracy"] if "auto" in runs else None
     checks = _checks(rule, acc, ref, len(items))
+    for c in checks:
+        if c["vacuous"]:
+            logger.warning("%s: with %d problems the check %r cannot fail (bound %.3f <= 0): its "
+                           "pass says nothing; run more problems", cfg.name, len(items), c["rule"], c["bound"])
     return {
         "config": cfg.name, "model": cfg.model, "kv_cache_dtype": cfg.kv_cache_dtype,
         "data": cfg.data, "num_questions": len(items), "limited": n < cfg.num_questions,

@@ -14,6 +14,8 @@ one of their difference.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -84,8 +86,10 @@ def figure(units: dict[str, np.ndarray], metric: str) -> float:
 
 def bootstrap_ci(units: dict[str, np.ndarray], metric: str, *, n_boot: int = 2000, seed: int = 0,
                  level: float = 0.95) -> tuple[float, float, float]:
-    """(figure, low, high): percentile bootstrap over units."""
+    """(figure, low, high): percentile bootstrap over units; one unit has no interval (NaN)."""
     n = _check_units(units)
+    if n < 2:
+        return figure(units, metric), math.nan, math.nan
     idx = resample_indices(n, n_boot, seed)
     boot = METRICS[metric]({k: np.asarray(v, float)[idx].sum(1) for k, v in units.items()})
     a = (1 - level) / 2
@@ -95,15 +99,18 @@ def bootstrap_ci(units: dict[str, np.ndarray], metric: str, *, n_boot: int = 200
 
 def paired_diff_ci(units_a: dict[str, np.ndarray], units_b: dict[str, np.ndarray], metric: str,
                    *, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
-    """Figure(a) - figure(b) with a paired percentile-bootstrap interval (same resampled units)."""
+    """Figure(a) - figure(b) with a paired percentile-bootstrap interval (same resampled units);
+    one unit has no interval (NaN) and excludes nothing."""
     n = _check_units(units_a)
     if _check_units(units_b) != n or not np.array_equal(units_a["n"], units_b["n"]):
         raise ValueError("paired comparison needs the same units (same windows and token counts)")
+    diff = figure(units_a, metric) - figure(units_b, metric)
+    if n < 2:
+        return {"metric": metric, "diff": diff, "low": math.nan, "high": math.nan, "excludes_zero": False}
     idx = resample_indices(n, n_boot, seed)
     fa = METRICS[metric]({k: np.asarray(v, float)[idx].sum(1) for k, v in units_a.items()})
     fb = METRICS[metric]({k: np.asarray(v, float)[idx].sum(1) for k, v in units_b.items()})
     a = (1 - level) / 2
     lo, hi = np.quantile(fa - fb, [a, 1 - a])
-    diff = figure(units_a, metric) - figure(units_b, metric)
     return {"metric": metric, "diff": diff, "low": float(lo), "high": float(hi),
             "excludes_zero": bool(lo > 0 or hi < 0)}

@@ -124,15 +124,22 @@ def test_placeholders_fed_from_the_step_before_and_aborts_in_flight():
 GREEDY3 = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 
-def test_an_aborted_id_can_run_again_while_its_last_step_is_in_flight():
-    # "a" finished by length in the step in flight; aborted, then added again: the old output
-    # is dropped and the new "a" runs to its own end (it once came back with a placeholder and
-    # left the engine raising KeyError on every step)
+def _a_finished_in_flight():
+    """An async engine whose request "a" finished by length in the step still in flight (its
+    output comes from the next step)."""
     llm = LLM("llama-tiny", **SMALL, async_scheduling=True)
     engine = llm.llm_engine
     engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, GREEDY3)
     while not engine.requests["a"].seq.is_finished:
         engine.step()
+    return llm, engine
+
+
+def test_an_aborted_id_can_run_again_while_its_last_step_is_in_flight():
+    # "a" finished by length in the step in flight; aborted, then added again: the old output
+    # is dropped and the new "a" runs to its own end (it once came back with a placeholder and
+    # left the engine raising KeyError on every step)
+    llm, engine = _a_finished_in_flight()
     assert engine.abort_request("a")
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     engine.add_request("a", {"prompt_token_ids": [9, 9, 9, 9]}, params)
@@ -181,11 +188,7 @@ def test_a_stream_whose_request_is_taken_away_raises_and_generate_waits_for_idle
 
 def test_a_launch_that_raises_keeps_the_step_in_flight():
     # the step launched before keeps its tokens: "a"'s output still comes
-    llm = LLM("llama-tiny", **SMALL, async_scheduling=True)
-    engine = llm.llm_engine
-    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, GREEDY3)
-    while not engine.requests["a"].seq.is_finished:
-        engine.step()
+    llm, engine = _a_finished_in_flight()
     engine.add_request("b", {"prompt_token_ids": [8, 9]}, GREEDY3)
     launch = engine.runner.launch
 

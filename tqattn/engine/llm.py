@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import re
 import time
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
@@ -13,10 +12,10 @@ import torch
 from .llm_engine import EngineArgs, LLMEngine, format_plan
 from .outputs import RequestOutput
 from .sampling import SamplingParams
+from .scheduler import RequestError
 from .streaming import IncrementalOutput, StreamOutput
 
 Prompt = str | dict
-_REQUEST_ID = re.compile(r"^request '[^']*': ")
 
 
 def _short(x, limit: int = 60) -> str:
@@ -103,7 +102,7 @@ class LLM:
                 engine.abort_request(rid)
             if isinstance(e, ValueError):  # say which prompt, not the engine's id for it
                 where = f"prompts[{i}]: " if len(prompts) > 1 else ""
-                raise ValueError(where + _REQUEST_ID.sub("", str(e))) from None
+                raise ValueError(where + (e.reason if isinstance(e, RequestError) else str(e))) from None
             raise
         return self._run(ids, use_tqdm)
 

@@ -45,8 +45,8 @@ from .kv_cache import KVCacheConfig, bf16_bytes_per_token, determine_num_blocks,
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, StepRecord
 from .sampled import PLACEHOLDER, SampledTokens
-from .sampling import SEED_MAX, SEED_MIN, SamplingParams, make_generator
-from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
+from .sampling import SEED_MAX, SEED_MIN, SamplingParams, is_seed, make_generator
+from .scheduler import RequestError, ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import Sequence, SequenceStatus
 from .warmup import backend_token_counts, run_warmup, warmup_steps
 
@@ -120,8 +120,7 @@ class EngineArgs:
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
             raise ValueError(f"kv_cache_auto_skip_budget must be a number >= 0 (a share of the "
                              f"all-compressed cache's bytes, e.g. 0.2), got {budget!r}")
-        if not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                and SEED_MIN <= self.seed <= SEED_MAX):
+        if not is_seed(self.seed):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
@@ -482,12 +481,12 @@ class LLMEngine:
             raise ValueError("this model has no tokenizer; pass {'prompt_token_ids': [...]} instead of text")
         return list(self.tokenizer.encode(prompt))
 
-    def check_token_ids(self, token_ids: list, prefix: str = "") -> None:
+    def check_token_ids(self, token_ids: list) -> None:
         """Raise ValueError naming the ids that are not ints in [0, vocab)."""
         vocab = self.model_info.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"{prefix}prompt token ids {bad[:5]} are not in [0, {vocab})")
+            raise ValueError(f"prompt token ids {bad[:5]} are not in [0, {vocab})")
 
     def add_request(self, request_id: Hashable, prompt: str | dict | list[int],
                     params: SamplingParams | None = None) -> None:
@@ -502,9 +501,12 @@ class LLMEngine:
             token_ids = self.encode(text)
         else:
             raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        self.check_token_ids(token_ids, f"request {request_id!r}: ")
+        try:
+            self.check_token_ids(token_ids)
+        except ValueError as e:
+            raise RequestError(request_id, str(e)) from None
         if not token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+            raise RequestError(request_id, "the prompt is empty")
         if request_id in self.requests:
             raise ValueError(f"a request with id {request_id!r} is already running")
         seq = Sequence(token_ids, params, seq_id=request_id)

@@ -21,6 +21,10 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def is_seed(x) -> bool:
+    return _is_int(x) and SEED_MIN <= x <= SEED_MAX
+
+
 @dataclass
 class SamplingParams:
     """How to pick a request's tokens (vLLM's names). temperature 0 = greedy."""
@@ -80,7 +84,7 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and not is_seed(self.seed):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
 
     @property

@@ -32,6 +32,19 @@ from .config import SchedulerConfig
 from .sequence import Sequence, SequenceStatus
 
 
+class RequestError(ValueError):
+    """A request the engine refuses. ``reason``: the message without the engine's id for the
+    request (front ends name it their own way); ``prompt_tokens``: set when the prompt, or the
+    prompt with max_tokens, does not fit max_model_len."""
+
+    def __init__(self, request_id: Hashable, reason: str, prompt_tokens: int | None = None):
+        super().__init__(f"request {request_id!r}: {reason}")
+        self.request_id, self.reason, self.prompt_tokens = request_id, reason, prompt_tokens
+
+    def __reduce__(self):  # it crosses the server's pipe whole
+        return RequestError, (self.request_id, self.reason, self.prompt_tokens)
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -106,27 +119,28 @@ class Scheduler:
         max_tokens = getattr(seq.sampling_params, "max_tokens", None)
         if max_tokens is None:
             if n_prompt >= max_len:
-                raise ValueError(f"request {seq.seq_id!r}: prompt has {n_prompt} tokens, max_model_len is {max_len}, "
-                                 f"leaving no room to generate; shorten the prompt or raise max_model_len")
+                raise RequestError(seq.seq_id, f"prompt has {n_prompt} tokens, max_model_len is {max_len}, "
+                                   f"leaving no room to generate; shorten the prompt or raise max_model_len",
+                                   n_prompt)
             max_tokens = max_len - n_prompt
         if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"request {seq.seq_id!r}: max_tokens must be a positive integer, got {max_tokens!r}")
+            raise RequestError(seq.seq_id, f"max_tokens must be a positive integer, got {max_tokens!r}")
         if n_prompt + max_tokens > max_len:
-            raise ValueError(f"request {seq.seq_id!r}: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = "
-                             f"{n_prompt + max_tokens} exceeds max_model_len={max_len}; shorten the prompt, "
-                             f"lower max_tokens or raise max_model_len")
+            raise RequestError(seq.seq_id, f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = "
+                               f"{n_prompt + max_tokens} exceeds max_model_len={max_len}; shorten the prompt, "
+                               f"lower max_tokens or raise max_model_len", n_prompt)
         # The last sampled token is never fed back, so at most this many tokens need K/V.
         max_kv_tokens = n_prompt + max_tokens - 1
         if not cfg.enable_chunked_prefill and max_kv_tokens > cfg.max_num_batched_tokens:
             # A preempted request recomputes prompt + output, in one step when chunking is off.
-            raise ValueError(f"request {seq.seq_id!r}: with chunked prefill disabled, prompt ({n_prompt} tokens) + "
+            raise RequestError(seq.seq_id, f"with chunked prefill disabled, prompt ({n_prompt} tokens) + "
                              f"max_tokens ({max_tokens}) - 1 = {max_kv_tokens} must fit max_num_batched_tokens="
                              f"{cfg.max_num_batched_tokens}; enable chunked prefill, raise max_num_batched_tokens "
                              f"or lower max_tokens")
         need = _cdiv(max_kv_tokens, cfg.block_size)
         for g, n_blocks in enumerate(bm.num_blocks):
             if need > n_blocks:
-                raise ValueError(f"request {seq.seq_id!r}: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) needs "
+                raise RequestError(seq.seq_id, f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) needs "
                                  f"{need} KV blocks of {cfg.block_size} tokens, but KV-cache group {g} has only "
                                  f"{n_blocks}; give the KV cache more memory or lower max_tokens/max_model_len")
         seq.max_tokens = max_tokens

@@ -269,8 +269,8 @@ class AsyncEngine:
         elif kind == "refused":
             del self._streams[stream.request_id]
             message, client_error = x
-            stream._accept(ValueError(message) if client_error else
-                           RuntimeError(f"the engine could not add the request: {message}"))
+            stream._accept(message if isinstance(message, ValueError) else ValueError(message)
+                           if client_error else RuntimeError(f"the engine could not add the request: {message}"))
         else:  # failed (a bug), or stopped (shutting down)
             del self._streams[stream.request_id]
             stream.put((EngineStopped if kind == "stopped" else EngineError)(x))

@@ -8,7 +8,8 @@ engine builds and launches a step. The two talk over two one-way pipes:
   params)``, ``("abort", rid)``, and ``("ready",)`` once the front end listens;
 * one message out per engine step, and one per batch of commands taken while idle:
   ``(updates, stats, step)`` with ``updates`` a list of ``(rid, kind, payload)`` — ``accepted``
-  (None), ``refused`` ((message, whether it is the client's error: a ValueError)), ``tokens``
+  (None), ``refused`` ((the RequestError or a message, whether it is the client's error: a
+  ValueError)), ``tokens``
   (the new token ids), ``finished`` (the :class:`RequestOutput`), ``failed`` (a message) —,
   ``stats`` the counts the front end admits by and reports, and ``step`` the step's (seconds,
   whether it replayed a CUDA graph) or None.
@@ -28,6 +29,7 @@ import time
 from collections.abc import Hashable
 
 from ..engine.llm_engine import LLMEngine
+from ..engine.scheduler import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +147,8 @@ class EngineLoop:
                 except Exception as e:  # ValueError: what the client asked for; anything else: ours
                     if not isinstance(e, ValueError):
                         logger.exception("adding request %r failed", rid)
-                    updates.append((rid, "refused", (str(e), isinstance(e, ValueError))))
+                    why = e if isinstance(e, RequestError) else str(e)
+                    updates.append((rid, "refused", (why, isinstance(e, ValueError))))
                 else:
                     self._sent[rid] = 0
                     updates.append((rid, "accepted", None))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 
 from fastapi import FastAPI, Request
@@ -42,8 +41,6 @@ class _EngineStreamingResponse(StreamingResponse):
 
 
 _DONE = b"data: [DONE]\n\n"
-_REQUEST_ID = re.compile(r"^request '[^']*': ")  # the engine's id: not the one the client sees
-_PROMPT_TOKENS = re.compile(r"prompt \((\d+) tokens\)|prompt has (\d+) tokens")
 _MARK = "\x00text\x00"  # where a chunk template's text goes
 _encode_str = json.JSONEncoder(ensure_ascii=False).encode
 
@@ -121,14 +118,14 @@ def build_app(engine: AsyncEngine, model_name: str, request_timeout: float | Non
         except EngineError as e:
             raise APIError(str(e), status=503, type="service_unavailable") from None
         except ValueError as e:
-            msg = _REQUEST_ID.sub("", " ".join(str(e).split()))
+            # the engine's id for the request means nothing to the client
+            msg = " ".join(getattr(e, "reason", str(e)).split())
             prompt_field = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
             code = None
-            if "exceeds max_model_len" in msg or "leaving no room to generate" in msg:
-                # the prompt alone too long, or the room it leaves too small for max_tokens
-                n = _PROMPT_TOKENS.search(msg)
-                alone = n is None or int(n.group(1) or n.group(2)) >= max_model_len
-                param, code = prompt_field if alone else req._max_tokens_field(), "context_length_exceeded"
+            n_prompt = getattr(e, "prompt_tokens", None)
+            if n_prompt is not None:  # the prompt alone too long, or too long for max_tokens
+                param = prompt_field if n_prompt >= max_model_len else req._max_tokens_field()
+                code = "context_length_exceeded"
             elif "token ids" in msg or "prompt is empty" in msg or "tokenizer" in msg:
                 param = prompt_field
             else:

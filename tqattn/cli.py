@@ -45,9 +45,11 @@ def cmd_presets(args) -> int:
 def cmd_codec_report(args) -> int:
     from .quant.report import codec_report
 
-    rep = codec_report(args.head_dim, args.preset or None, seed=args.seed)
+    rep = codec_report(args.head_dim, list(dict.fromkeys(args.preset or [])) or None, seed=args.seed)
     if args.json:
-        rep["command"] = "tqattn " + " ".join(sys.argv[1:])
+        from .evals.cli import command_line
+
+        rep["command"] = command_line()
         print(json.dumps(rep, indent=1))
         return 0
     print(f"Codec report, head size {args.head_dim}: heavy-tailed keys with outlier channels "
@@ -86,7 +88,9 @@ def cmd_generate(args) -> int:
     engine_kwargs = engine_kwargs_from_args(args)
     params = sampling_params_from_args(args)
     token_prompts = [{"prompt_token_ids": _token_ids(p)} for p in args.prompt] if args.token_ids else None
-    _progress_bars(not args.json and sys.stderr.isatty())
+    from .evals.cli import progress_bars
+
+    progress_bars(not args.json and sys.stderr.isatty())
 
     from .engine.llm import LLM
     from .engine.llm_engine import format_plan
@@ -157,7 +161,9 @@ def cmd_serve(args) -> int:
 
     engine_kwargs = engine_kwargs_from_args(args)  # checked before the model loads
     uvicorn_module()  # the extra is installed
-    _progress_bars(sys.stderr.isatty())
+    from .evals.cli import progress_bars
+
+    progress_bars(sys.stderr.isatty())
     from .engine.llm_engine import EngineArgs, LLMEngine
     from .serve.server import Server, bind, startup_message
 
@@ -199,7 +205,9 @@ def cmd_chat(args) -> int:
 
     engine_kwargs = engine_kwargs_from_args(args)
     params = sampling_params_from_args(args)
-    _progress_bars(sys.stderr.isatty())
+    from .evals.cli import progress_bars
+
+    progress_bars(sys.stderr.isatty())
     from .engine.llm import LLM
 
     llm = LLM(**engine_kwargs)
@@ -266,15 +274,6 @@ def _warn_empty_replies(llm, outputs, chat: bool) -> None:
               f"({first!r}); {hint}pass --min-tokens N to make it continue")
 
 
-def _progress_bars(show: bool) -> None:
-    """transformers' "Loading weights" bar (stderr): only on a terminal and never with --json."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return
-    hf_logging.enable_progress_bar() if show else hf_logging.disable_progress_bar()
-
-
 def _token_ids(s: str) -> list[int]:
     try:
         ids = [int(t) for t in s.replace(",", " ").split()]
@@ -337,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_presets)
 
     p = sub.add_parser("codec-report", help="measure each preset's quantization quality")
-    p.add_argument("--head-dim", type=_head_dim, default=128, help="head size")
+    p.add_argument("--head-dim", type=_report_head_dim, default=128,
+                   help=f"head size (at most {MAX_REPORT_HEAD_DIM})")
     p.add_argument("--preset", action="append", type=_preset_name,
                    help="preset to measure (repeatable; default: every preset that encodes the head size)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")
@@ -420,6 +420,18 @@ def _head_dim(s: str) -> int:
         raise argparse.ArgumentTypeError(f"head size must be an integer, got {s!r}") from None
     if d < 8 or d % 2:
         raise argparse.ArgumentTypeError(f"head size {d} not supported: need an even integer >= 8")
+    return d
+
+
+# The report builds head size x head size rotations and thousands of vectors per preset.
+MAX_REPORT_HEAD_DIM = 1024
+
+
+def _report_head_dim(s: str) -> int:
+    d = _head_dim(s)
+    if d > MAX_REPORT_HEAD_DIM:
+        raise argparse.ArgumentTypeError(f"head size {d} is above {MAX_REPORT_HEAD_DIM}, the largest "
+                                         f"the codec report measures")
     return d
 
 

@@ -52,8 +52,9 @@ class FakeLLM:
             logits = logits + self.noise * torch.randn(logits.shape, generator=g)
         return torch.log_softmax(logits, -1)
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, use_tqdm=True):
         self.log.append(("generate", self.kv, len(prompts), params.max_tokens))
+        self.use_tqdm = use_tqdm
         return [SimpleNamespace(outputs=[SimpleNamespace(text=self.answer_fn(self.kv, p))])
                 for p in prompts]
 

@@ -69,6 +69,42 @@ def test_gsm8k_list_and_report_dry_run(capsys):
         _run(["eval", "report", "--dry-run", "--model", "nope"])
 
 
+def test_report_estimate_counts_variants_reference_once_and_skips():
+    # chunk 256 scored from 256: one 1024-token window scores 768 >= 700 tokens
+    ppl = [{"source": "shakespeare", "context_len": 1024, "min_tokens": 700}]
+    plan = {"baseline": "turboquant_k3v4_nc", "presets": ["auto", "tq_k4v3"],
+            "models": [{"model": "m", "variants": {"v1": {}, "v2": {}}, "variant_presets": ["tq_k4v3"],
+                        "ppl": ppl, "niah": {"contexts": [100, 200], "depths": [0.5], "presets": ["tq_k4v3"]},
+                        "gsm": {"num_questions": 7}}]}
+    # rows: auto, tq_k4v3, the baseline, tq_k4v3 [v1], tq_k4v3 [v2]; auto runs once
+    (e,) = cli.estimate(plan)
+    assert e == {"model": "m", "ppl_tokens": 1024 * 5, "niah_tokens": 300 * 2, "gsm_answers": 7 * 3}
+    (e,) = cli.estimate(plan, skip={"ppl", "gsm"})
+    assert (e["ppl_tokens"], e["niah_tokens"], e["gsm_answers"]) == (0, 600, 0)
+
+
+def test_report_skip_names_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        _run(["eval", "report", "--dry-run", "--skip", "ppl,gsm8k"])
+    assert "gsm8k" in capsys.readouterr().err
+    assert cli._parts("ppl, niah") == ["ppl", "niah"]
+
+
+def test_eval_progress_bar_only_on_a_terminal(monkeypatch, fake_params):
+    from tqattn.evals import scoring
+
+    llm = FakeLLM("auto", answer_fn=lambda kv, p: "x")
+    for tty in (False, True):
+        monkeypatch.setattr("sys.stderr.isatty", lambda: tty)
+        assert scoring.generate_texts(llm, ["a", "b"], scoring.greedy_params(4)) == ["x", "x"]
+        assert llm.use_tqdm is tty
+
+
+def test_command_line_quotes_and_keeps_global_flags(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["tqattn", "--debug", "eval", "report", "--model", "a b"])
+    assert cli.command_line() == "tqattn --debug eval report --model 'a b'"
+
+
 def test_gsm8k_command_writes_json_and_sets_exit_code(tmp_path, monkeypatch, fake_params, capsys):
     from tqattn.evals.data import gsm_symbolic_items
 

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import shlex
-import sys
 
 from tqattn.engine.arg_utils import add_engine_args, kv_cache_dtype, non_negative_int, temperature
 from tqattn.engine.arg_utils import engine_kwargs_from_args as engine_kwargs
-from tqattn.evals.cli import _positive, writable_dir
+from tqattn.evals.cli import _positive, command_line, setup_run_output, writable_dir
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -70,7 +67,7 @@ def cmd_serve(args) -> int:
 
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
-    return run_bench(args, "tqattn " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+    return run_bench(args, command_line())
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -105,14 +102,14 @@ def cmd_throughput(args) -> int:
     from . import report
     from .throughput import WORKLOADS, run_throughput
 
-    logging.getLogger("tqattn").setLevel(logging.INFO)  # progress lines, through the command's handler
+    setup_run_output()
     w = WORKLOADS[args.workload]
     w = dataclasses.replace(w, **{k: v for k, v in (("num_prompts", args.num_prompts),
                                                      ("input_len", args.input_len),
                                                      ("output_len", args.output_len)) if v is not None})
     engine_kwargs = engine_kwargs_from_args(args, w)
     out = writable_dir(args.out_dir)
-    command = "tqattn " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = command_line()
     result = run_throughput(args.model, args.kv_cache_dtypes, w, engine_kwargs, seed=args.seed,
                             temperature=args.temperature, warmup_prompts=args.warmup_prompts, command=command)
     stem = f"throughput_{w.name}"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqattn.engine.arg_utils import positive_int as _positive
 
+REPORT_PARTS = ("ppl", "niah", "gsm")
 DEFAULT_PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                    "turboquant_3bit_nc", "tq_k4v4", "tq_k3.5v3.5", "tq_k4v3", "tq_k3v4"]
 
@@ -63,7 +64,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plan", default="cpu", help="report plan YAML path or shipped name (cpu, cpu-quick)")
     p.add_argument("--model", action="append", help="run only the plan's models with this name or model")
     p.add_argument("--presets", type=_presets, help="comma-separated presets (overrides the plan)")
-    p.add_argument("--skip", type=_str_list, default=[], help="comma-separated parts to skip: ppl,niah,gsm")
+    p.add_argument("--skip", type=_parts, default=[], help="comma-separated parts to skip: ppl,niah,gsm")
     p.add_argument("--context-len", type=_int_list, default=None,
                    help="comma-separated: run only the plan's perplexity specs of these context lengths")
     p.add_argument("--out-dir", default="eval_report")
@@ -97,9 +98,20 @@ def _model_args(p):
                    help="extra LLM(...) argument, value parsed as JSON when possible (repeatable)")
 
 
-def _setup_logging():
-    # progress lines ("accuracy ...", "PPL ..."), through the handler `tqattn` set up
+def setup_run_output() -> None:
+    """Progress lines ("accuracy ...", "PPL ...") through the handler `tqattn` set up; progress
+    bars only on a terminal (in a log file a bar is a stream of carriage returns)."""
     logging.getLogger("tqattn").setLevel(logging.INFO)
+    progress_bars(sys.stderr.isatty())
+
+
+def progress_bars(show: bool) -> None:
+    """transformers' "Loading weights" bar (stderr) on or off."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.enable_progress_bar() if show else hf_logging.disable_progress_bar()
 
 
 def _engine_args(items: list[str]) -> dict:
@@ -138,13 +150,18 @@ def writable_dir(path: str | Path) -> Path:
     return d
 
 
+def command_line() -> str:
+    """This process's command as a user would retype it, every flag included (for result files)."""
+    return "tqattn " + shlex.join(sys.argv[1:])
+
+
 def _write_json(obj, path: str | None) -> None:
     """Write a result file that records how it was made (command, versions, date)."""
     if path:
         from .report import run_versions, utc_now
 
         if isinstance(obj, dict):
-            obj = dict(obj, command="tqattn " + shlex.join(sys.argv[1:]),
+            obj = dict(obj, command=command_line(),
                        env=dict(run_versions(), date=utc_now()))
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(obj, indent=1))
@@ -164,7 +181,7 @@ def cmd_gsm8k(args) -> int:
         raise SystemExit("eval gsm8k: --config is required (or --list)")
     if args.output:
         writable_dir(Path(args.output).parent)
-    _setup_logging()
+    setup_run_output()
     cfgs = [gsm8k.override(gsm8k.load_config(c), model=args.model, data=args.data,
                            load_format=args.load_format) for c in gsm8k.expand_configs(args.config)]
     refs: dict = {}
@@ -213,7 +230,7 @@ def cmd_ppl(args) -> int:
 
     if args.output:
         writable_dir(Path(args.output).parent)
-    _setup_logging()
+    setup_run_output()
     specs = [ppl.PPLSpec(source=s, context_len=c, chunk_size=args.chunk_size,
                          min_tokens=args.min_tokens, block_tokens=args.block_tokens,
                          score_start=_score_start(args.score_start, args.chunk_size, c))
@@ -238,7 +255,7 @@ def cmd_niah(args) -> int:
     _apply_download_opt_in(args)
 
     out = writable_dir(args.out_dir)
-    _setup_logging()
+    setup_run_output()
     factory = scoring.llm_factory(args.model, load_format=args.load_format,
                                   engine_args=_engine_args(args.engine_arg))
     res = niah.run_niah(factory, args.presets, contexts=args.contexts, depths=args.depths,
@@ -251,22 +268,29 @@ def cmd_niah(args) -> int:
     return 0
 
 
-def estimate(plan: dict) -> list[dict]:
-    """Tokens each model will prefill (perplexity windows + NIAH prompts), for budgeting."""
+def estimate(plan: dict, skip=()) -> list[dict]:
+    """Work each model will do, for budgeting: tokens of prefill (perplexity windows + NIAH
+    prompts) and GSM answers, over the auto reference and every row (variants included)."""
     from .ppl import PPLSpec
+    from .report import model_presets, variant_keys
+
+    def runs(names) -> int:  # auto is the reference of every part and runs once
+        return len(set(names) - {"auto"}) + 1
 
     out = []
     for m in plan["models"]:
-        n_presets = len(set(m.get("presets") or plan.get("presets", []))
-                        | {plan.get("baseline", "turboquant_k3v4_nc")}) + 1
-        ppl_tokens = sum(PPLSpec(**s).num_windows * s.get("context_len", 2048)
-                         for s in m.get("ppl") or []) * n_presets
-        nh = m.get("niah") or {}
-        niah_presets = len(nh["presets"]) + 1 if "presets" in nh else n_presets
+        presets = model_presets(plan, m)
+        n_rows = runs(variant_keys(m, presets))
+        ppl = [] if "ppl" in skip else m.get("ppl") or []
+        ppl_tokens = sum(PPLSpec(**s).num_windows * s.get("context_len", 2048) for s in ppl) * n_rows
+        nh = {} if "niah" in skip else m.get("niah") or {}
+        niah_runs = runs(nh["presets"]) if "presets" in nh else n_rows
         niah_tokens = (sum(nh.get("contexts", [])) * len(nh.get("depths", []))
-                       * nh.get("trials", 1) * niah_presets)
+                       * nh.get("trials", 1) * niah_runs)
+        gsm = {} if "gsm" in skip else m.get("gsm") or {}
+        gsm_answers = gsm.get("num_questions", 50) * runs(presets) if gsm else 0
         out.append({"model": m.get("name") or m["model"], "ppl_tokens": ppl_tokens,
-                    "niah_tokens": niah_tokens})
+                    "niah_tokens": niah_tokens, "gsm_answers": gsm_answers})
     return out
 
 
@@ -288,13 +312,13 @@ def cmd_report(args) -> int:
     if args.context_len:
         for m in plan["models"]:
             m["ppl"] = [s for s in m.get("ppl") or [] if s.get("context_len", 2048) in args.context_len]
-    for e in estimate(plan):
+    for e in estimate(plan, skip=set(args.skip)):
         print(f"{e['model']}: ~{e['ppl_tokens']:,} tokens of perplexity prefill, "
-              f"~{e['niah_tokens']:,} tokens of NIAH prefill")
+              f"~{e['niah_tokens']:,} tokens of NIAH prefill, {e['gsm_answers']:,} GSM answers")
     if args.dry_run:
         return 0
-    _setup_logging()
-    command = "tqattn eval report " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+    setup_run_output()
+    command = command_line()
     rep = report.run_report(plan, args.out_dir, command=command, plan_name=args.plan,
                             skip=set(args.skip))
     print(report.markdown(rep))
@@ -304,6 +328,14 @@ def cmd_report(args) -> int:
 
 def _str_list(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _parts(s: str) -> list[str]:
+    names = _str_list(s)
+    bad = [n for n in names if n not in REPORT_PARTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown report parts {bad or [s]}; valid: {', '.join(REPORT_PARTS)}")
+    return names
 
 
 def _presets(s: str) -> list[str]:

@@ -134,10 +134,17 @@ def _gsm_for_presets(model: dict, presets: list[str], factory_for, settings: dic
         "max_tokens": settings.get("max_tokens", 256),
         "data": {"source": "gsm_symbolic", "seed": settings.get("seed", 1234)},
         "pass": {"threshold": 0.0}}, "report-gsm")
-    for p in ["auto"] + presets:
+    for p in ["auto"] + [p for p in presets if p != "auto"]:
         r = gsm8k.run_gsm8k(replace(base, kv_cache_dtype=p, name=f"report-{p}"), factory=factory_for)
         out[p] = {"accuracy": r["accuracy"], "num_questions": r["num_questions"]}
     return out
+
+
+def model_presets(plan: dict, model: dict) -> list[str]:
+    """The presets a model of the plan runs: its own list or the plan's, plus the baseline."""
+    presets = list(model.get("presets") or plan.get("presets") or [])
+    baseline = plan.get("baseline", "turboquant_k3v4_nc")
+    return presets if baseline in presets else presets + [baseline]
 
 
 def variant_keys(model: dict, presets: list[str]) -> dict[str, tuple[str, str | None]]:
@@ -396,9 +403,7 @@ def run_report(plan: dict, out_dir: str | Path, *, command: str = "", plan_name:
               "date": utc_now(), "models": [], "rows": [], "comparisons": [], "variant_comparisons": [],
               "versions": run_versions()}
     for m in plan["models"]:
-        presets = list(m.get("presets") or plan.get("presets") or [])
-        if baseline not in presets:
-            presets.append(baseline)
+        presets = model_presets(plan, m)
         f = (factories or {}).get(m["model"])
         res = run_model(m, presets, factory=f, skip=skip)
         info = _model_info(m)

@@ -6,7 +6,8 @@ engine API is a change here. Tests pass duck-typed fakes with the same methods.
 Engine API assumed (vLLM's offline shape plus one scoring call):
 
 * ``LLM(model=..., kv_cache_dtype=..., load_format=..., **engine_args)``
-* ``llm.generate(prompts: list[str], SamplingParams(...)) -> [out]`` with ``out.outputs[0].text``
+* ``llm.generate(prompts: list[str], SamplingParams(...), use_tqdm=bool) -> [out]`` with
+  ``out.outputs[0].text``
 * ``llm.get_tokenizer()`` -> the Hugging Face tokenizer (chat template, token counting)
 * ``llm.score(prompt_token_ids: list[int], *, chunk_size: int, logprobs_start: int)
   -> torch.Tensor`` float32, shape ``(len(prompt_token_ids) - logprobs_start, vocab_size)``:
@@ -23,6 +24,7 @@ only a target) with ``logprobs_start = start - 1``.
 from __future__ import annotations
 
 import gc
+import sys
 from typing import Any, Callable
 
 import torch
@@ -99,7 +101,8 @@ def greedy_params(max_tokens: int, stop: list[str] | None = None) -> Any:
 
 
 def generate_texts(llm: Any, prompts: list[str], params: Any) -> list[str]:
-    outs = llm.generate(prompts, params)
+    # a progress bar only on a terminal: in a log file it is a stream of carriage returns
+    outs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     if len(outs) != len(prompts):
         raise RuntimeError(f"engine returned {len(outs)} outputs for {len(prompts)} prompts")
     return [o.outputs[0].text for o in outs]

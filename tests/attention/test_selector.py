@@ -145,6 +145,9 @@ def test_bad_arguments():
         resolve_kv_cache_dtypes(8, FULL[:7], P)
     with pytest.raises(ValueError, match="num_layers"):
         resolve_kv_cache_dtypes(0, [], P)
+    for budget in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="budget must be a finite number of bytes >= 0"):
+            selector.auto_full_precision_layers([5.0] + [0.01] * 9, range(10), 100.0, budget)
 
 
 def test_layers_groups_and_plan():

@@ -2,7 +2,9 @@
 
 import argparse
 import dataclasses
+import math
 
+import numpy as np
 import pytest
 
 from tqattn.engine import arg_utils
@@ -54,8 +56,25 @@ def test_routing_flags():
     kw = arg_utils.engine_kwargs_from_args(_parser().parse_args([
         "--kv-cache-dtype-skip-layers", "auto,3", "--kv-cache-key-centering"]))
     assert kw["kv_cache_dtype_skip_layers"] == ["auto", 3] and kw["kv_cache_key_centering"]
-    with pytest.raises(ValueError, match="kv_cache_auto_skip_budget must be a number >= 0"):
-        EngineArgs(kv_cache_auto_skip_budget=-1)
+    for bad in (-1, math.inf, math.nan, "0.2"):
+        with pytest.raises(ValueError, match="kv_cache_auto_skip_budget must be a finite number >= 0"):
+            EngineArgs(kv_cache_auto_skip_budget=bad)
+
+
+def test_routing_arguments_checked_before_the_model_loads():
+    # None means the default, as for every other routing setting
+    assert EngineArgs(kv_cache_dtype_skip_layers=None).kv_cache_dtype_skip_layers == ["auto"]
+    assert EngineArgs(kv_cache_dtype_skip_layers=np.int64(3)).kv_cache_dtype_skip_layers == [3]
+    assert EngineArgs(kv_cache_boundary_layers=np.int64(1)).kv_cache_boundary_layers == 1
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=f"kv_cache_boundary_layers must be an int >= 0, got {bad!r}"):
+            EngineArgs(kv_cache_boundary_layers=bad)
+    with pytest.raises(ValueError, match="kv_cache_dtype_skip_layers must be a list"):
+        EngineArgs(kv_cache_dtype_skip_layers=1.5)
+    with pytest.raises(ValueError, match=r"entry -1 is out of range; allowed"):
+        EngineArgs(kv_cache_dtype_skip_layers=[-1])
+    with pytest.raises(ValueError, match=r"entry 'first' is not understood"):
+        EngineArgs(kv_cache_dtype_skip_layers=["auto", "first"])
     with pytest.raises(ValueError, match="kv_cache_key_centering must be True, False or None"):
         EngineArgs(kv_cache_key_centering="yes")
 

@@ -161,3 +161,12 @@ def test_soft_cap_turns_centering_off_or_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"kv_cache_key_centering=True: model .* soft-caps its "
                                          r"attention logits \(cap 20.0\)"):
         LLM(str(path), **kw, kv_cache_key_centering=True)
+
+
+def test_a_skip_index_past_the_model_fails_before_the_passes(monkeypatch):
+    lm = load_model("llama-tiny", load_format="dummy")
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: pytest.fail("calibrated before checking"))
+    with pytest.raises(ValueError, match=f"entry 99 is out of range for a model with {lm.info.num_layers} layers"):
+        cal.plan_keys(lm.model, lm.tokenizer, lm.info, "llama-tiny", kv_cache_dtype=P,
+                      skip_layers=["auto", 99], boundary_layers=None, key_centering=None,
+                      auto_skip_budget=0.2, max_model_len=128)

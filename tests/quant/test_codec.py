@@ -141,6 +141,23 @@ def test_nonfinite_raise_or_propagate(name, bad):
     assert not torch.isfinite(vh[1]).all() and torch.isfinite(vh[[0, 2, 3]]).all()
 
 
+@pytest.mark.parametrize("name", ["tq_k4v3", "turboquant_k3v4_nc", "tq_k4v4_qjl", "turboquant_k8v4"])
+def test_finite_vectors_past_fp16_range_are_refused(name):
+    codec = TQCodec(name, 64)
+    k, v = torch.randn(3, 64), torch.randn(3, 64)
+    codec.decode(codec.encode(k / k.norm(dim=-1, keepdim=True) * 60000, v))  # in range: fine
+    big = k.clone()
+    big[1] *= 66000 / big[1].norm()
+    if codec.preset.key.codec != "fp8":  # fp8 keys saturate per element instead
+        with pytest.raises(ValueError, match=r"key norm of 1 vector\(s\) \(first at index \[1\]\) exceeds 65504"):
+            codec.encode(big, v)
+    v[2] -= 70000
+    with pytest.raises(ValueError, match=r"value (norm|minimum) .*index \[2\]"):
+        codec.encode(k, v)
+    _, vh = codec.decode(codec.encode(k, v, on_nonfinite="propagate"))  # the kernel's path
+    assert not torch.isfinite(vh[2]).all() and torch.isfinite(vh[[0, 1]]).all()
+
+
 @pytest.mark.parametrize("name", list(PRESETS))
 @pytest.mark.parametrize("dim", [64, 96, 128])
 def test_attention_on_codes_equals_dense_on_decoded(name, dim):

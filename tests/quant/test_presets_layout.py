@@ -1,7 +1,7 @@
 import pytest
 
 from tqattn.quant.layout import build_layout
-from tqattn.quant.presets import PRESETS, get_preset, preset_names
+from tqattn.quant.presets import PRESETS, KeySpec, TQPreset, ValueSpec, get_preset, preset_names
 
 VLLM_128 = {"turboquant_k8v4": 196, "turboquant_4bit_nc": 134,
             "turboquant_k3v4_nc": 118, "turboquant_3bit_nc": 102}
@@ -66,3 +66,8 @@ def test_unknown_preset_lists_valid_names():
 def test_bad_head_size():
     with pytest.raises(ValueError, match="head size"):
         build_layout("tq_k4v4", 63)
+    # a custom preset keeping more outlier channels than a head has
+    p = TQPreset("x", KeySpec("mse", 3, "nc", outliers=16), ValueSpec("tq", 3), True, "exact")
+    assert p.supports_head_dim(18)
+    assert p.head_dim_unsupported_reason(16) == ("preset x keeps 16 outlier channels apart, so "
+                                                 "head size 16 needs to be larger")

@@ -20,6 +20,8 @@ KV-cache group; each group gets one metadata builder.
 
 from __future__ import annotations
 
+import math
+import operator
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -42,8 +44,20 @@ AUTO_MIN_ERROR = 0.1
 DEFAULT_AUTO_SKIP_BUDGET = 0.2
 
 
-def _parse_skip_entry(entry, num_layers: int) -> int | str:
-    allowed = (f"allowed: a layer index 0..{num_layers - 1} (int or numeric string), "
+def _as_int(x) -> int | None:
+    """x as an int if it is an integer (numpy's included), not a bool; else None."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
+def _parse_skip_entry(entry, num_layers: int | None) -> int | str:
+    """A layer index or a word; num_layers None: the index's range is not checked yet."""
+    last = "N-1" if num_layers is None else num_layers - 1
+    allowed = (f"allowed: a layer index 0..{last} (int or numeric string), "
                f"{SLIDING_WINDOW!r} or {AUTO_SKIP!r}")
     if isinstance(entry, str):
         word = entry.strip()
@@ -53,13 +67,11 @@ def _parse_skip_entry(entry, num_layers: int) -> int | str:
             raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} is not understood; "
                              f"{allowed}")
         index = int(word)
-    elif isinstance(entry, int) and not isinstance(entry, bool):
-        index = entry
-    else:
+    elif (index := _as_int(entry)) is None:
         raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} is not understood; {allowed}")
-    if not 0 <= index < num_layers:
-        raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} is out of range for a model "
-                         f"with {num_layers} layers; {allowed}")
+    if index < 0 or (num_layers is not None and index >= num_layers):
+        model = "" if num_layers is None else f" for a model with {num_layers} layers"
+        raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} is out of range{model}; {allowed}")
     return index
 
 
@@ -82,14 +94,8 @@ def full_precision_layers(num_layers: int, sliding_windows: Sequence[int | None]
     if len(sliding_windows) != num_layers:
         raise ValueError(f"sliding_windows has {len(sliding_windows)} entries for "
                          f"{num_layers} layers")
-    if boundary_layers is None:
-        boundary_layers = DEFAULT_BOUNDARY_LAYERS
-    if (isinstance(boundary_layers, bool) or not isinstance(boundary_layers, int)
-            or boundary_layers < 0):
-        raise ValueError(f"kv_cache_boundary_layers must be an int >= 0, got {boundary_layers!r}")
-    if isinstance(skip_layers, (str, int)):
-        skip_layers = [skip_layers]  # a lone "sliding_window" or index, not its characters
-    entries = {_parse_skip_entry(e, num_layers) for e in skip_layers}
+    boundary_layers = check_boundary_layers(boundary_layers)
+    entries = {_parse_skip_entry(e, num_layers) for e in routing_entries(skip_layers)}
     if AUTO_SKIP in entries and auto_layers is None:
         raise ValueError(f"kv_cache_dtype_skip_layers has {AUTO_SKIP!r}, which needs the layers "
                          f"the start-up calibration chose (auto_layers); none were given")
@@ -103,11 +109,47 @@ def full_precision_layers(num_layers: int, sliding_windows: Sequence[int | None]
             AUTO_SKIP: auto}
 
 
+def routing_entries(skip_layers) -> list:
+    """``kv_cache_dtype_skip_layers`` as a list of entries (one entry may come alone)."""
+    if isinstance(skip_layers, str) or _as_int(skip_layers) is not None:
+        return [skip_layers]  # a lone "sliding_window" or index, not its characters
+    try:
+        return list(skip_layers)
+    except TypeError:
+        raise ValueError(f"kv_cache_dtype_skip_layers must be a list of layer indices and the words "
+                         f"{SLIDING_WINDOW!r} / {AUTO_SKIP!r}, got {skip_layers!r}") from None
+
+
+def check_boundary_layers(boundary_layers) -> int:
+    """The number of boundary layers (None: the default); ValueError naming a bad one."""
+    if boundary_layers is None:
+        return DEFAULT_BOUNDARY_LAYERS
+    n = _as_int(boundary_layers)
+    if n is None or n < 0:
+        raise ValueError(f"kv_cache_boundary_layers must be an int >= 0, got {boundary_layers!r}")
+    return n
+
+
+def check_routing_args(skip_layers, boundary_layers, auto_skip_budget) -> None:
+    """The routing settings a model does not decide, checked before it loads: each skip entry
+    (its index range waits for the model), the boundary layers, the automatic routing budget."""
+    for e in routing_entries(skip_layers):
+        _parse_skip_entry(e, None)
+    check_boundary_layers(boundary_layers)
+    b = auto_skip_budget
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b >= 0 and math.isfinite(b)):
+        raise ValueError(f"kv_cache_auto_skip_budget must be a finite number >= 0 (a share of the "
+                         f"all-compressed cache's bytes, e.g. 0.2), got {b!r}")
+
+
 def wants_auto_layers(skip_layers: Iterable[int | str]) -> bool:
     """Whether ``kv_cache_dtype_skip_layers`` asks for automatic routing."""
-    if isinstance(skip_layers, (str, int)):
-        skip_layers = [skip_layers]
-    return any(isinstance(e, str) and e.strip() == AUTO_SKIP for e in skip_layers)
+    return any(isinstance(e, str) and e.strip() == AUTO_SKIP for e in routing_entries(skip_layers))
+
+
+def without_auto(skip_layers) -> list:
+    """The skip entries other than ``"auto"``."""
+    return [e for e in routing_entries(skip_layers) if not (isinstance(e, str) and e.strip() == AUTO_SKIP)]
 
 
 def auto_full_precision_layers(errors: Sequence[float], candidates: Iterable[int],
@@ -120,6 +162,9 @@ def auto_full_precision_layers(errors: Sequence[float], candidates: Iterable[int
     one layer costs more in full precision; ``budget_bytes``: the most extra bytes per token.
     Outliers (above :data:`AUTO_ERROR_FACTOR` × the candidates' median and
     :data:`AUTO_MIN_ERROR`) go first-worst-first while they fit the budget."""
+    if not (budget_bytes >= 0 and math.isfinite(budget_bytes)):
+        raise ValueError(f"the automatic routing budget must be a finite number of bytes >= 0, "
+                         f"got {budget_bytes!r}")
     cand = sorted(set(candidates))
     if not cand:
         return [], "automatic routing: no compressed layer to judge"

@@ -371,6 +371,9 @@ def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_ca
     from ..quant.presets import PRESETS
 
     auto = wants_auto_layers(skip_layers)
+    # bad routing (an index past the model's layers) fails before the calibration's passes
+    full_precision_layers(info.num_layers, info.sliding_windows, skip_layers, boundary_layers,
+                          [] if auto else None)
     if (kv_cache_dtype not in PRESETS
             or PRESETS[kv_cache_dtype].head_dim_unsupported_reason(info.head_dim)):
         # a full-precision cache, or a preset the layer plan refuses (with the reason)
@@ -399,14 +402,11 @@ def choose_auto_layers(errors: list[float], info, kv_cache_dtype: str, skip_laye
     """(layers automatic routing keeps full precision, the log line). The layers other rules
     keep are not judged; extra bytes count full precision at 16 bits, so the choice is the
     same on every device."""
-    from ..attention.selector import AUTO_SKIP, auto_full_precision_layers, full_precision_layers
+    from ..attention.selector import (auto_full_precision_layers, full_precision_layers,
+                                      without_auto)
     from ..quant.layout import build_layout
 
-    if isinstance(skip_layers, (str, int)):
-        skip_layers = [skip_layers]
-    others = full_precision_layers(info.num_layers, info.sliding_windows,
-                                   [e for e in skip_layers
-                                    if not (isinstance(e, str) and e.strip() == AUTO_SKIP)],
+    others = full_precision_layers(info.num_layers, info.sliding_windows, without_auto(skip_layers),
                                    boundary_layers)
     candidates = set(range(info.num_layers)) - set().union(*others.values())
     slot = build_layout(kv_cache_dtype, info.head_dim).slot_bytes

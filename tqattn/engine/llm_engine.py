@@ -29,8 +29,10 @@ import torch
 from tqattn.attention.backend import AttentionLayerSpec
 from tqattn.attention.hf_attention import use_tqattn
 from tqattn.attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, FULL_PRECISION,
-                                       build_attention_layers, describe_full_precision,
-                                       describe_plan, full_precision_layers, resolve_kv_cache_dtypes)
+                                       build_attention_layers, check_routing_args,
+                                       describe_full_precision, describe_plan,
+                                       full_precision_layers, resolve_kv_cache_dtypes,
+                                       routing_entries)
 from tqattn.attention.turboquant import padded_head_size, tensor_core_padding
 from tqattn.models import load_config, load_model
 from tqattn.models.fused_projections import fuse_projections
@@ -116,10 +118,6 @@ class EngineArgs:
         if self.kv_cache_key_centering is not None and not isinstance(self.kv_cache_key_centering, bool):
             raise ValueError(f"kv_cache_key_centering must be True, False or None, got "
                              f"{self.kv_cache_key_centering!r}")
-        budget = self.kv_cache_auto_skip_budget
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
-            raise ValueError(f"kv_cache_auto_skip_budget must be a number >= 0 (a share of the "
-                             f"all-compressed cache's bytes, e.g. 0.2), got {budget!r}")
         if not is_seed(self.seed):
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         tp = self.tensor_parallel_size
@@ -139,9 +137,11 @@ class EngineArgs:
             raise ValueError("enforce_eager=True runs the model eagerly (no compilation, no CUDA "
                              "graphs); it cannot be combined with compile_model=True")
         _check_device(self.device)
-        if isinstance(self.kv_cache_dtype_skip_layers, (str, int)):
-            self.kv_cache_dtype_skip_layers = [self.kv_cache_dtype_skip_layers]
-        self.kv_cache_dtype_skip_layers = list(self.kv_cache_dtype_skip_layers or [])
+        if self.kv_cache_dtype_skip_layers is None:  # as the other routing settings: the default
+            self.kv_cache_dtype_skip_layers = [AUTO_SKIP]
+        check_routing_args(self.kv_cache_dtype_skip_layers, self.kv_cache_boundary_layers,
+                           self.kv_cache_auto_skip_budget)
+        self.kv_cache_dtype_skip_layers = routing_entries(self.kv_cache_dtype_skip_layers)
 
 
 def resolve_compile_model(args: EngineArgs, device: torch.device) -> bool:

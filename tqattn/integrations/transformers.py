@@ -55,8 +55,8 @@ from collections.abc import Iterable
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-from ..attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, resolve_kv_cache_dtypes,
-                                  wants_auto_layers)
+from ..attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, check_routing_args,
+                                  resolve_kv_cache_dtypes, routing_entries, wants_auto_layers)
 from ..attention.turboquant import MODEL_DTYPES, get_codec
 from ..models.info import model_info
 from ..quant.presets import PRESETS, get_preset
@@ -370,11 +370,12 @@ class TurboQuantCache(Cache):
         model's ``max_position_embeddings``), which sets the calibration's positions."""
         from ..engine.calibration import plan_keys
 
+        check_routing_args(skip_layers, boundary_layers, auto_skip_budget)
         config = model.config
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         info = model_info(text)
         plan = plan_keys(model, tokenizer, info, type(model).__name__, kv_cache_dtype=preset,
-                         skip_layers=list(skip_layers), boundary_layers=boundary_layers,
+                         skip_layers=routing_entries(skip_layers), boundary_layers=boundary_layers,
                          key_centering=key_centering, auto_skip_budget=auto_skip_budget,
                          max_model_len=max_model_len or info.max_position_embeddings)
         return cls(config, preset, residual_length=residual_length, skip_layers=skip_layers,

@@ -19,9 +19,11 @@ q = clamp(floor((v − min)/scale + 0.5)), stored with fp16 scale and fp16 min; 
 Values ("tq"): same as mse keys on v, decoded n · ĉ @ Rᵀ.
 
 Non-finite input: ``on_nonfinite="raise"`` (default) raises ValueError naming how many elements
-are bad and where; ``"propagate"`` encodes the vector's fp16 norm/scale as NaN so every read of
+are bad and where; ``"propagate"`` encodes the vector's fp16 norm/scale as NaN so attention over
 that slot yields NaN — what a bf16 cache holding NaN would give, and what the store kernel does
 (it cannot raise without a host sync). Garbage is never written as if it were a valid vector.
+Norms, value scales and minima are stored in fp16: a finite vector whose norm (or value minimum
+or range) passes 65504 is stored as infinite and reads back as non-finite; "raise" refuses it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ NORM_EPS = 1e-8
 SCALE_MIN = 1e-8
 QJL_SEED_OFFSET = 0x5EED_0F_0A  # keeps S independent of the rotation's seed
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# fp16 fields of a slot -> what they hold, for errors
+FP16_FIELDS = {"k_norm": "key norm", "k_rnorm": "key residual norm", "v_norm": "value norm",
+               "v_scale": "value step (max - min) / levels", "v_zero": "value minimum"}
 
 
 def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -211,7 +218,20 @@ class TQCodec:
         slots = torch.zeros(*k.shape[:-1], self.slot_bytes, dtype=torch.uint8, device=k.device)
         self._encode_keys(k.float(), slots, fold_nc)
         self._encode_values(v.float(), slots, fold_nc)
+        if on_nonfinite == "raise":
+            self._check_fp16_range(slots)
         return slots
+
+    def _check_fp16_range(self, slots: torch.Tensor) -> None:
+        # the inputs were finite, so a non-finite fp16 field is a value past float16's range
+        for name, what in FP16_FIELDS.items():
+            if not self.layout.has(name):
+                continue
+            bad = ~torch.isfinite(_read_fp16(slots, self.layout.field(name).offset))
+            if bool(bad.any()):
+                where = bad.nonzero()[0].tolist()
+                raise ValueError(f"the {what} of {int(bad.sum())} vector(s) (first at index {where}) "
+                                 f"exceeds 65504, the largest float16, which the cache stores it in")
 
     def folded(self) -> "TQCodec":
         """The codec that reads slots written with ``fold_nc=True``: "nc" corrections become

@@ -67,7 +67,10 @@ class TQPreset:
     def head_dim_unsupported_reason(self, head_dim) -> str | None:
         """Why this preset cannot encode vectors of ``head_dim`` coordinates (None: it can)."""
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 8 or head_dim % 2:
-            return f"head size {head_dim!r} not supported: need an even integer >= 8"
+            return f"head size {head_dim!r} not supported: need an even integer >= 8 (a Python int)"
+        if self.key.outliers >= head_dim:
+            return (f"preset {self.name} keeps {self.key.outliers} outlier channels apart, so head "
+                    f"size {head_dim} needs to be larger")
         if self.key.outliers and head_dim > MAX_OUTLIER_HEAD_DIM:
             return (f"preset {self.name} stores each outlier channel index in one byte, so head "
                     f"size {head_dim} > {MAX_OUTLIER_HEAD_DIM} is not supported")

@@ -118,3 +118,31 @@ def test_default_padding_leaves_sliding_window_layers_compact(monkeypatch):
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         out = llm.generate([{"prompt_token_ids": list(range(3, 40))}], params, use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_calibration_measures_the_padded_codec_and_its_bytes(monkeypatch, tmp_path):
+    """The start-up calibration judges a padded layer through the codec its cache uses (128
+    here) and counts the padded slot in the automatic-routing budget."""
+    from types import SimpleNamespace
+
+    from tqattn.engine import calibration
+    from tqattn.quant.layout import build_layout
+
+    monkeypatch.setenv("TQATTN_CACHE_DIR", str(tmp_path))
+    seen = []
+    run = calibration.run_calibration
+    monkeypatch.setattr(calibration, "run_calibration",
+                        lambda *a, **k: seen.append(a[6]) or run(*a, **k))
+    kw = dict(kv_cache_dtype="tq_k4v3", kv_cache_boundary_layers=0, **SMALL)
+    plans = {pad: LLM("llama-tiny-hd80", kv_cache_pad_head_size=pad, **kw).llm_engine.key_plan
+             for pad in (False, True)}
+    assert seen == [None, [128, 128]]
+    # zero-padded keys through a 128-coordinate rotation: the padded codec's own errors
+    assert plans[True].calibration.errors_centered != plans[False].calibration.errors_centered
+
+    info = SimpleNamespace(num_layers=4, sliding_windows=[None] * 4, num_kv_heads=2, head_dim=80)
+    errors = [5.0, 0.01, 0.01, 0.01]
+    for dims, d in ((None, 80), ([128] * 4, 128)):
+        slot = build_layout("tq_k4v3", d).slot_bytes
+        layers, line = calibration.choose_auto_layers(errors, info, "tq_k4v3", ["auto"], 0, 1.0, dims)
+        assert layers == [0] and line.endswith(f"{2 * (320 - slot)} of {2 * 4 * slot} extra bytes/token")

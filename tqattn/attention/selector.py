@@ -153,13 +153,14 @@ def without_auto(skip_layers) -> list:
 
 
 def auto_full_precision_layers(errors: Sequence[float], candidates: Iterable[int],
-                               extra_bytes: float, budget_bytes: float
+                               extra_bytes: float | Sequence[float], budget_bytes: float
                                ) -> tuple[list[int], str]:
     """Automatic routing: (layers to keep full precision, why — one line for the plan log).
 
     ``errors``: each layer's calibration error (attention KL through the codec, nats);
     ``candidates``: the layers the other rules leave compressed; ``extra_bytes``: bytes per token
-    one layer costs more in full precision; ``budget_bytes``: the most extra bytes per token.
+    a layer costs more in full precision (one number for every layer, or one per layer);
+    ``budget_bytes``: the most extra bytes per token.
     Outliers (above :data:`AUTO_ERROR_FACTOR` × the candidates' median and
     :data:`AUTO_MIN_ERROR`) go first-worst-first while they fit the budget."""
     if not (budget_bytes >= 0 and math.isfinite(budget_bytes)):
@@ -179,13 +180,17 @@ def auto_full_precision_layers(errors: Sequence[float], candidates: Iterable[int
         worst = max(cand, key=lambda i: errors[i])
         return [], (f"automatic routing keeps no layer full precision: the worst, layer {worst}, "
                     f"has attention KL {errors[worst]:.3g} nats ({rule})")
-    fit = max(0, min(len(outliers), int(budget_bytes // extra_bytes) if extra_bytes > 0
-                     else len(outliers)))
+    extra = (list(extra_bytes) if isinstance(extra_bytes, Sequence)
+             else [extra_bytes] * len(errors))
+    fit, spent = 0, 0.0
+    for i in outliers:  # worst first; the first that does not fit ends the choice
+        if spent + max(extra[i], 0) > budget_bytes:
+            break
+        fit, spent = fit + 1, spent + max(extra[i], 0)
     chosen, left = sorted(outliers[:fit]), outliers[fit:]
     why = ", ".join(f"layer {i} ({errors[i]:.3g} nats)" for i in outliers[:fit])
     line = (f"automatic routing keeps {len(chosen)} layer(s) full precision: "
-            f"{why or 'none'} — {rule}; {fit * extra_bytes:.0f} of {budget_bytes:.0f} extra "
-            f"bytes/token")
+            f"{why or 'none'} — {rule}; {spent:.0f} of {budget_bytes:.0f} extra bytes/token")
     if left:
         line += (f"; outliers over the budget stay compressed: "
                  + ", ".join(f"layer {i} ({errors[i]:.3g} nats)" for i in left))

@@ -157,8 +157,12 @@ def attention_kl(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, scale: f
 
 
 def through_codec(codec, k: torch.Tensor) -> torch.Tensor:
-    """Keys (..., D) encoded and decoded by the codec: what the cache gives back."""
-    return codec.decode(codec.encode(k, k))[0]
+    """Keys (..., D) encoded and decoded by the codec: what the cache gives back (a codec of a
+    larger head size gets them zero-padded, as a padded cache stores them)."""
+    d = k.shape[-1]
+    if codec.head_dim > d:
+        k = torch.nn.functional.pad(k, (0, codec.head_dim - d))
+    return codec.decode(codec.encode(k, k))[0][..., :d]
 
 
 def record_layers(model: torch.nn.Module, input_ids: list[int], on_layer,
@@ -204,12 +208,14 @@ def record_layers(model: torch.nn.Module, input_ids: list[int], on_layer,
 
 
 def run_calibration(model: torch.nn.Module, input_ids: list[int], preset: str, head_dim: int,
-                    num_layers: int, positions: list[int]) -> Calibration:
-    """The passes and the per-layer figures (no cache)."""
+                    num_layers: int, positions: list[int],
+                    cache_head_dims: list[int] | None = None) -> Calibration:
+    """The passes and the per-layer figures (no cache). ``cache_head_dims``: the head size each
+    layer's compressed cache stores (a padded one measures the padded codec); None: head_dim."""
     from ..attention.turboquant import get_codec
 
     device = next(model.parameters()).device
-    codec = get_codec(preset, head_dim, str(device))
+    dims = cache_head_dims or [head_dim] * num_layers
     keys: dict[int, list[torch.Tensor]] = {}
     queries: dict[int, list[torch.Tensor]] = {}
     layer_args: dict[int, tuple] = {}
@@ -239,6 +245,7 @@ def run_calibration(model: torch.nn.Module, input_ids: list[int], preset: str, h
             k = torch.stack(keys.pop(i))                           # (P, Hk, T, D)
             mu = k.mean((0, 2), keepdim=True)
             # one codec call per layer: every pass, centered and not
+            codec = get_codec(preset, dims[i], str(device))
             both = through_codec(codec, torch.cat([k - mu, k])).view(2, *k.shape)
             both[0] += mu
             q = queries.pop(i)
@@ -268,17 +275,20 @@ def weights_fingerprint(model: torch.nn.Module, samples: int = 4096) -> str:
     return h.hexdigest()
 
 
-def cache_path(fingerprint: str, preset: str, input_ids: list[int], positions: list[int]) -> Path:
-    raw = json.dumps([METHOD_VERSION, fingerprint, preset, positions, ERROR_QUERIES, RAW_TAIL,
-                      hashlib.sha256(json.dumps(input_ids).encode()).hexdigest()])
+def cache_path(fingerprint: str, preset: str, input_ids: list[int], positions: list[int],
+               cache_head_dims: list[int] | None = None) -> Path:
+    key = [METHOD_VERSION, fingerprint, preset, positions, ERROR_QUERIES, RAW_TAIL,
+           hashlib.sha256(json.dumps(input_ids).encode()).hexdigest()]
+    raw = json.dumps(key + [cache_head_dims] if cache_head_dims else key)
     return cache_root() / "calibration" / f"{hashlib.sha256(raw.encode()).hexdigest()[:24]}.pt"
 
 
 def calibrate(model: torch.nn.Module, tokenizer, *, preset: str, head_dim: int, num_layers: int,
               vocab_size: int, max_model_len: int, use_cache: bool = True,
-              average=None) -> Calibration:
+              average=None, cache_head_dims: list[int] | None = None) -> Calibration:
     """The calibration of ``model`` for ``preset``: from the cache, else from the passes (then
-    cached). ``seconds`` is the whole call's time.
+    cached). ``seconds`` is the whole call's time. ``cache_head_dims``: see
+    :func:`run_calibration`.
 
     ``average`` (tensor parallelism: every rank calls this with its shard): the mean of a list
     of floats over the ranks. The passes then always run (the ranks' forwards are collective)
@@ -288,7 +298,8 @@ def calibrate(model: torch.nn.Module, tokenizer, *, preset: str, head_dim: int, 
     ids = calibration_token_ids(tokenizer, vocab_size)
     positions = pass_positions(len(ids), max_model_len)
     use_cache = use_cache and average is None  # every rank must run the passes
-    path = cache_path(weights_fingerprint(model), preset, ids, positions) if use_cache else None
+    padded = cache_head_dims if cache_head_dims and set(cache_head_dims) != {head_dim} else None
+    path = cache_path(weights_fingerprint(model), preset, ids, positions, padded) if use_cache else None
     if use_cache and path.is_file():
         try:
             d = torch.load(path, weights_only=True)
@@ -298,7 +309,7 @@ def calibrate(model: torch.nn.Module, tokenizer, *, preset: str, head_dim: int, 
                                positions=positions, seconds=time.perf_counter() - t0, cached=True)
         except Exception as e:  # a truncated or foreign file: compute again and overwrite it
             logger.warning("ignoring an unreadable calibration cache file %s (%s)", path, e)
-    cal = run_calibration(model, ids, preset, head_dim, num_layers, positions)
+    cal = run_calibration(model, ids, preset, head_dim, num_layers, positions, padded)
     if average is not None:
         both = average(cal.errors_centered + cal.errors_uncentered)
         cal.errors_centered, cal.errors_uncentered = both[:num_layers], both[num_layers:]
@@ -364,9 +375,11 @@ class KeyPlan:
 def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_cache_dtype: str,
               skip_layers, boundary_layers: int | None, key_centering: bool | None,
               auto_skip_budget: float, max_model_len: int, use_cache: bool = True,
-              average=None) -> KeyPlan:
+              average=None, cache_head_dims: list[int] | None = None) -> KeyPlan:
     """Calibrate if the settings need it (a TurboQuant ``kv_cache_dtype`` with key centering or
-    ``"auto"`` routing), choose the centered layers and the automatic ones."""
+    ``"auto"`` routing), choose the centered layers and the automatic ones. ``cache_head_dims``:
+    the head size each layer's compressed cache would store (padded ones: the padded codec's
+    errors and bytes); None: the model's head size."""
     from ..attention.selector import full_precision_layers, wants_auto_layers
     from ..quant.presets import PRESETS
 
@@ -383,10 +396,12 @@ def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_ca
         return KeyPlan(None, [], None)
     cal = calibrate(model, tokenizer, preset=kv_cache_dtype, head_dim=info.head_dim,
                     num_layers=info.num_layers, vocab_size=info.vocab_size,
-                    max_model_len=max_model_len, use_cache=use_cache, average=average)
+                    max_model_len=max_model_len, use_cache=use_cache, average=average,
+                    cache_head_dims=cache_head_dims)
     centered = cal.centered_layers(mode)
     layers, line = (choose_auto_layers(cal.errors(centered), info, kv_cache_dtype, skip_layers,
-                                       boundary_layers, auto_skip_budget) if auto else (None, None))
+                                       boundary_layers, auto_skip_budget, cache_head_dims)
+                    if auto else (None, None))
     # a full-precision layer stores its keys as they are: not centered, and not named so
     fp = set().union(*full_precision_layers(info.num_layers, info.sliding_windows, skip_layers,
                                             boundary_layers, layers).values())
@@ -398,10 +413,12 @@ def plan_keys(model: torch.nn.Module, tokenizer, info, model_name: str, *, kv_ca
 
 
 def choose_auto_layers(errors: list[float], info, kv_cache_dtype: str, skip_layers,
-                       boundary_layers: int | None, budget: float) -> tuple[list[int], str]:
+                       boundary_layers: int | None, budget: float,
+                       cache_head_dims: list[int] | None = None) -> tuple[list[int], str]:
     """(layers automatic routing keeps full precision, the log line). The layers other rules
     keep are not judged; extra bytes count full precision at 16 bits, so the choice is the
-    same on every device."""
+    same on every device that stores the same cache layout (``cache_head_dims``: a padded
+    layer's compressed slot is the padded one)."""
     from ..attention.selector import (auto_full_precision_layers, full_precision_layers,
                                       without_auto)
     from ..quant.layout import build_layout
@@ -409,9 +426,10 @@ def choose_auto_layers(errors: list[float], info, kv_cache_dtype: str, skip_laye
     others = full_precision_layers(info.num_layers, info.sliding_windows, without_auto(skip_layers),
                                    boundary_layers)
     candidates = set(range(info.num_layers)) - set().union(*others.values())
-    slot = build_layout(kv_cache_dtype, info.head_dim).slot_bytes
-    extra = info.num_kv_heads * (2 * info.head_dim * 2 - slot)
-    budget_bytes = budget * info.num_layers * info.num_kv_heads * slot
+    dims = cache_head_dims or [info.head_dim] * info.num_layers
+    slots = [build_layout(kv_cache_dtype, d).slot_bytes for d in dims]
+    extra = [info.num_kv_heads * (2 * info.head_dim * 2 - s) for s in slots]
+    budget_bytes = budget * info.num_kv_heads * sum(slots)
     return auto_full_precision_layers(errors, candidates, extra, budget_bytes)
 
 

@@ -189,7 +189,7 @@ def build_model_runner(args: EngineArgs, device: torch.device,
                         tensor_parallel_size=args.tensor_parallel_size)
     if resolve_fuse_projections(args, device):
         fuse_projections(loaded.model)
-    key_plan = plan_keys(args, loaded, tp)
+    key_plan = plan_keys(args, loaded, device, tp)
     layers = attention_layers(args, loaded, key_plan, device)
     calibration.apply_key_offsets(layers, key_plan, device)
     use_tqattn(loaded.model, [layer.spec for layer in layers])
@@ -199,21 +199,32 @@ def build_model_runner(args: EngineArgs, device: torch.device,
     return loaded, layers, runner, key_plan
 
 
-def plan_keys(args: EngineArgs, loaded: LoadedModel,
+def plan_keys(args: EngineArgs, loaded: LoadedModel, device: torch.device,
               tp: parallel.TensorParallelGroup | None = None) -> calibration.KeyPlan:
     """Key centering and automatic routing from the start-up calibration (its seconds in
-    ``key_plan.seconds``). With tensor parallelism every rank calibrates its own heads in the
-    same collective passes and the per-layer errors are averaged over the ranks, so all ranks
-    choose the same layers."""
+    ``key_plan.seconds``), through the codec each layer's cache will use (padded or not). With
+    tensor parallelism every rank calibrates its own heads in the same collective passes and
+    the per-layer errors are averaged over the ranks, so all ranks choose the same layers."""
     t0 = time.perf_counter()
+    info = loaded.info
+    heads = split_heads(info.num_q_heads, info.num_kv_heads, args.tensor_parallel_size)
     plan = calibration.plan_keys(
         loaded.model, loaded.tokenizer, loaded.info, loaded.name,
         kv_cache_dtype=args.kv_cache_dtype, skip_layers=args.kv_cache_dtype_skip_layers,
         boundary_layers=args.kv_cache_boundary_layers, key_centering=args.kv_cache_key_centering,
         auto_skip_budget=args.kv_cache_auto_skip_budget, max_model_len=loaded.max_model_len,
-        average=tp.mean if tp is not None else None)
+        average=tp.mean if tp is not None else None,
+        cache_head_dims=compressed_head_sizes(args, info, heads, device))
     plan.seconds = time.perf_counter() - t0
     return plan
+
+
+def compressed_head_sizes(args: EngineArgs, info, heads, device: torch.device) -> list[int]:
+    """The head size each layer's cache stores if the layer is compressed: the padded one
+    (:func:`resolve_pad_head_size`) where padding applies, else the model's."""
+    padded = resolve_pad_head_size(args, info, heads, device)
+    return [padded if padded is not None and (args.kv_cache_pad_head_size or not window)
+            else info.head_dim for window in info.sliding_windows]
 
 
 def resolve_pad_head_size(args: EngineArgs, info, heads, device: torch.device) -> int | None:
@@ -246,11 +257,10 @@ def attention_layers(args: EngineArgs, loaded: LoadedModel, key_plan: calibratio
         logger.warning("kv_cache_dtype=%s: %s keep a full-precision cache", args.kv_cache_dtype,
                        describe_full_precision(rules, info.num_layers))
     heads = split_heads(info.num_q_heads, info.num_kv_heads, args.tensor_parallel_size)
-    padded = resolve_pad_head_size(args, info, heads, device)
-    cache_sizes = [padded if dtypes[i] in PRESETS and (
-        args.kv_cache_pad_head_size or not info.sliding_windows[i]) else None
-        for i in range(info.num_layers)]
-    if padded is not None and padded in cache_sizes:
+    cache_sizes = [d if dtypes[i] in PRESETS and d != info.head_dim else None
+                   for i, d in enumerate(compressed_head_sizes(args, info, heads, device))]
+    padded = next((d for d in cache_sizes if d is not None), None)
+    if padded is not None:
         logger.info("kv_cache_pad_head_size: head size %d stored zero-padded to %d in %d "
                     "compressed layers (%.2fx their bytes, the tensor-core decode kernel; "
                     "--no-kv-cache-pad-head-size keeps them compact)", info.head_dim, padded,

@@ -42,7 +42,7 @@ def _check(name, d=64, hk=1, group=2, lens=(37, 6), bs=16, dtype=torch.float32, 
         out, lse = decode.decode_attention_triton(codec, q, cache, bt, seq_lens, qsl, qpos,
                                                   return_lse=True, num_splits=num_splits, **kw)
     assert out.dtype == dtype and out.shape == ref.shape
-    assert rel_err(out, ref) < 2e-3 if dtype == torch.float32 else 1e-2
+    assert rel_err(out, ref) < (2e-3 if dtype == torch.float32 else 1e-2)
     fin = torch.isfinite(lse_ref)
     assert torch.equal(fin, torch.isfinite(lse))
     assert (lse[fin] - lse_ref[fin]).abs().max().item() < 2e-3

@@ -19,6 +19,9 @@ Splits write a normalised partial output and its LSE; a second small kernel
 merges them. The grid depends only on the batch size (and ``max_query_len``); the tiles each
 split walks come from ``seq_lens`` on the device: CUDA-graph safe, no host sync.
 
+The rotated query (the raw one for fp8 keys) enters the dots in fp16, as in both kernels: a
+coordinate past ±65504 overflows (the row's output is lost), and score errors grow with |q|.
+
 Code → fp16 conversion: 3-bit codes (keys, tq or uniform values) and 4-bit uniform values go
 through inline-asm register ``prmt`` tables (kernels/_asm.py) fed by int32 word loads; other
 widths through byte loads, shifts and centroid gathers (also the interpreter's path).
@@ -39,6 +42,7 @@ import triton.language as tl
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
 from . import _asm, _tl, step, store
+from ._args import check_decode_args, check_float, check_index
 from ._asm import U4_VALUES  # by name, so that it is part of the kernels' cache key
 from ._spec import default_scale, interpreted, kernel_spec, next_pow2, num_sms
 
@@ -684,15 +688,23 @@ def decode_attention_triton(codec: TQCodec, q: torch.Tensor, kv_cache: torch.Ten
     kernel's resident programs; the portable kernel's programs fill the GPU TARGET_PROGRAMS
     times over).
     """
+    bs = cache_block_size(codec, kv_cache)
     rows, hq, d = q.shape
     nb, hk, _ = kv_cache.shape
-    bs = cache_block_size(codec, kv_cache)
     if d != codec.head_dim or hq % hk:
         raise ValueError(f"q shape {tuple(q.shape)} does not fit {hk} KV heads at head size "
                          f"{codec.head_dim}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"q must be float16/bfloat16/float32, got {q.dtype}")
+    check_float("q", q)
+    check_decode_args(rows, block_table, seq_lens, query_start_loc, window)
+    if new_kv is not None:
+        check_float("new key", new_kv[0])
+        check_float("new value", new_kv[1])
+        check_index("slot_mapping", new_kv[2], min_len=new_kv[0].shape[0])
     spec = kernel_spec(codec, bs)
+    if seq_lens.shape[0] == 0:  # no sequence: rows see no key (0, LSE -inf), nothing to store
+        out = torch.zeros(rows, hq, d, dtype=q.dtype, device=q.device) if out is None else out.zero_()
+        lse = torch.full((rows, hq), float("-inf"), device=q.device)
+        return (out, lse) if return_lse else out
     if q.stride(-1) != 1:
         q = q.contiguous()
     group = hq // hk

@@ -16,6 +16,7 @@ import triton.language as tl
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
 from . import _tl
+from ._args import FLOAT_DTYPES, check_index
 from ._spec import interpreted, kernel_spec
 
 
@@ -147,8 +148,14 @@ def dequant_kv_triton(codec: TQCodec, kv_cache: torch.Tensor, block_table: torch
     Without ``max_seq_len`` / ``out`` (and ``cu_seqlens``) the sizes are read from the device (a
     host sync).
     """
-    nb, hk, _ = kv_cache.shape
     bs = cache_block_size(codec, kv_cache)
+    nb, hk, _ = kv_cache.shape
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float16/bfloat16/float32, got {dtype}")
+    check_index("seq_lens", seq_lens)
+    check_index("block_table", block_table, dim=2, min_len=seq_lens.shape[0])
+    if cu_seqlens is not None:
+        check_index("cu_seqlens", cu_seqlens, length=seq_lens.shape[0] + 1)
     spec = kernel_spec(codec, bs)
     d = codec.head_dim
     dev = kv_cache.device

@@ -30,6 +30,7 @@ import triton.language as tl
 from ..quant.codec import TQCodec
 from ..quant.paged import cache_block_size
 from . import _tl
+from ._args import check_float, check_index
 from ._spec import interpreted, kernel_spec, num_sms
 
 
@@ -477,7 +478,10 @@ def store_kv_triton(codec: TQCodec, key: torch.Tensor, value: torch.Tensor,
     under the interpreter, which has no TF32. ``key_offset`` = (μ, μ·R), each fp32 (Hk, D):
     the keys are stored centered, k − μ (computed in fp32 inside the kernel).
     """
+    check_float("key", key)
+    check_float("value", value)
     n, hk, d = key.shape
+    check_index("slot_mapping", slot_mapping, min_len=n)
     if value.shape != key.shape or d != codec.head_dim or kv_cache.shape[1] != hk:
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit a cache "
                          f"of {kv_cache.shape[1]} KV heads at head size {codec.head_dim}")

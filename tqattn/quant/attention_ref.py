@@ -25,6 +25,8 @@ def visible_keys(l: int, kv_lens: torch.Tensor, window: int | None = None,
                  row_pos: torch.Tensor | None = None) -> torch.Tensor:
     """(..., T, L) mask for rows (..., T): row t sees keys [lo_t, hi_t), hi_t = kv_lens[t] and,
     under a sliding window, lo_t = row_pos[t] − window + 1 (row_pos defaults to hi_t − 1)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be None or an int >= 0 (0: no window), got {window!r}")
     pos = torch.arange(l, device=kv_lens.device)
     hi = kv_lens[..., None]
     seen = pos < hi

@@ -136,10 +136,14 @@ def test_bench_flags_are_the_shared_engine_flags():
     args = ap.parse_args(["bench", "throughput", "--workload", "chat", "--kv-cache-memory-bytes", "8GiB",
                           "--kv-cache-dtypes", "auto,tq_k4v3", "--no-compile-model"])
     assert args.kv_cache_memory_bytes == 8 << 30 and args.kv_cache_dtypes == ["auto", "tq_k4v3"]
-    assert args.compile_model is False and args.model == "Qwen3-4B" and args.max_num_batched_tokens == 8192
+    assert args.compile_model is False and args.model is None and args.max_num_batched_tokens == 8192
     from tqattn.benchmarks.cli import engine_kwargs_from_args
     from tqattn.benchmarks.throughput import WORKLOADS
 
+    # the default model is the GPU benchmark's: on a CPU it must be named
+    with pytest.raises(ValueError, match="on a CPU name a small one, e.g. --model qwen3-tiny"):
+        engine_kwargs_from_args(args, WORKLOADS["chat"])
+    args.model = "Qwen3-4B"
     kw = engine_kwargs_from_args(args, WORKLOADS["chat"])
     assert kw["load_format"] == "dummy" and kw["enable_prefix_caching"] is False
     assert kw["max_model_len"] == WORKLOADS["chat"].input_len + WORKLOADS["chat"].output_len
@@ -162,6 +166,18 @@ def test_startup_line_names_the_builds():
     assert report.startup_line(r).endswith("warmup 26.40; no warm-up; precompile failed (see the log)")
     del r["startup_builds"]  # a result written before the builds were recorded
     assert report.startup_line(r) == "- `tq_k4v3`: load 1.00, warmup 26.40"
+
+
+@pytest.mark.parametrize("flag,why", [(["--kv-cache-dtype", "tq_k4v3"], "come from --kv-cache-dtypes"),
+                                      (["--enable-prefix-caching"], "prefix caching is always off"),
+                                      (["--no-enable-prefix-caching"], "prefix caching is always off")])
+def test_bench_refuses_the_engine_flags_it_sets_itself(flag, why, capsys):
+    from tqattn.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "throughput", "--workload", "chat", *flag])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{flag[0]} is not taken here" in err and why in err
 
 
 @pytest.mark.parametrize("argv,named", [

@@ -260,7 +260,7 @@ def test_bench_serve_servers_get_the_offline_chat_engine_args(monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["tqattn"])
     offline = engine_kwargs_from_args(build_parser().parse_args(
-        ["bench", "throughput", "--workload", "chat"]), WORKLOADS["chat"])
+        ["bench", "throughput", "--workload", "chat", "--model", "Qwen3-4B"]), WORKLOADS["chat"])
     served = server_engine_args(shlex.split(H200_SERVER_ARGS), "turboquant_k3v4_nc")
     assert served.pop("model") == "Qwen3-4B" and served.pop("kv_cache_dtype") == "turboquant_k3v4_nc"
     assert served == offline

@@ -19,7 +19,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         "throughput", help="offline generation throughput for several kv-cache dtypes",
         description="Offline throughput of one workload for each kv-cache dtype, with identical engine "
                     "arguments: tokens/s, TTFT/TPOT percentiles, the step timeline, preemptions, "
-                    "compilations, start-up. Writes JSON, markdown and a step-time plot to --out-dir.")
+                    "compilations, start-up. Writes JSON, markdown and a step-time plot to --out-dir. "
+                    f"Default model: {DEFAULT_MODEL} with dummy weights, on a GPU (on a CPU name a small "
+                    "one, e.g. --model qwen3-tiny).")
     p.add_argument("--workload", required=True, choices=list(WORKLOADS),
                    help="; ".join(f"{w.name}: {w.num_prompts} x {w.input_len} in / {w.output_len} out"
                                   + (f", {w.kv_cache_memory_bytes / 2**30:g} GiB KV" if w.kv_cache_memory_bytes
@@ -70,12 +72,18 @@ def cmd_serve(args) -> int:
     return run_bench(args, command_line())
 
 
+# the default model: a GPU benchmark's (~16 GB of fp32 dummy weights on a CPU)
+DEFAULT_MODEL = "Qwen3-4B"
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """The shared engine flags with the benchmark's defaults (a shipped config with dummy weights,
     every layer on the dtype under test, the anchor runs' step budget); the kv-cache dtype comes
     from --kv-cache-dtypes and prefix caching is always off."""
-    add_engine_args(p)
-    p.set_defaults(model="Qwen3-4B", load_format=None, kv_cache_boundary_layers=0,
+    add_engine_args(p, exclude={
+        "kv_cache_dtype": "the kv-cache dtypes to compare come from --kv-cache-dtypes",
+        "enable_prefix_caching": "prefix caching is always off, so that every prompt is prefilled"})
+    p.set_defaults(model=None, load_format=None, kv_cache_boundary_layers=0,
                    max_model_len=None, max_num_batched_tokens=8192)
 
 
@@ -85,14 +93,21 @@ def engine_kwargs_from_args(args, workload) -> dict:
     from tqattn.models import model_config_path
 
     args = argparse.Namespace(**vars(args))
+    if args.model is None:
+        import torch
+
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise ValueError(f"bench throughput's default model, {DEFAULT_MODEL} with dummy weights, is "
+                             f"a GPU benchmark (~16 GB of fp32 weights on a CPU); on a CPU name a "
+                             f"small one, e.g. --model qwen3-tiny")
+        args.model = DEFAULT_MODEL
     if args.load_format is None:
         args.load_format = "dummy" if model_config_path(args.model) is not None else "auto"
     args.max_model_len = args.max_model_len or workload.input_len + workload.output_len
     args.kv_cache_memory_bytes = args.kv_cache_memory_bytes or workload.kv_cache_memory_bytes
     args.enable_prefix_caching = False
     kw = engine_kwargs(args)
-    for name in ("model", "kv_cache_dtype"):
-        kw.pop(name)
+    kw.pop("model")
     return kw
 
 
@@ -110,7 +125,7 @@ def cmd_throughput(args) -> int:
     engine_kwargs = engine_kwargs_from_args(args, w)
     out = writable_dir(args.out_dir)
     command = command_line()
-    result = run_throughput(args.model, args.kv_cache_dtypes, w, engine_kwargs, seed=args.seed,
+    result = run_throughput(args.model or DEFAULT_MODEL, args.kv_cache_dtypes, w, engine_kwargs, seed=args.seed,
                             temperature=args.temperature, warmup_prompts=args.warmup_prompts, command=command)
     stem = f"throughput_{w.name}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))

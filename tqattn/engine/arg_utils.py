@@ -130,12 +130,21 @@ _DEFAULTS = {f.name: f.default if f.default_factory is dataclasses.MISSING else 
              if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The EngineArgs flags, in a group of their own; defaults are EngineArgs'."""
+def add_engine_args(parser: argparse.ArgumentParser, exclude: dict[str, str] | None = None
+                    ) -> argparse.ArgumentParser:
+    """The EngineArgs flags, in a group of their own; defaults are EngineArgs'. ``exclude``:
+    fields the command sets itself -> why; their flags are refused with that reason."""
     g = parser.add_argument_group("engine")
+    exclude = exclude or {}
 
     def flag(name: str, **kw):  # --kebab-case of the field, its dataclass default
-        g.add_argument("--" + name.replace("_", "-"), default=_DEFAULTS.get(name, []), **kw)
+        option = "--" + name.replace("_", "-")
+        if name in exclude:
+            refuse = [option] + ([f"--no-{option[2:]}"] if kw.get("action") is argparse.BooleanOptionalAction else [])
+            g.add_argument(*refuse, action=_Refused, nargs=0 if "action" in kw else None,
+                           reason=exclude[name], help=argparse.SUPPRESS)
+            return
+        g.add_argument(option, default=_DEFAULTS.get(name, []), **kw)
 
     flag("model", help="HF model dir, .gguf file, shipped config name (with --load-format dummy, see "
                        "tqattn/configs/models/), or 'default' (SmolLM2-135M-Instruct GGUF)")
@@ -155,7 +164,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          help="the most extra cache bytes 'auto' may spend on full-precision layers, as a share of "
               "the all-compressed cache (full precision counted at 16 bits)")
     flag("kv_cache_boundary_layers", type=non_negative_int,
-         help="keep the first and last N layers full precision (default: the selector's, 0)")
+         help="keep the first and last N layers full precision")
     flag("max_model_len", type=positive_int,
          help="prompt + generated tokens per request (default: the model's max_position_embeddings)")
     flag("max_num_seqs", type=positive_int, help="sequences running at once")
@@ -190,6 +199,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
          help="split the model over N processes (one GPU each, cuda:0..N-1; gloo ranks on CPU): "
               "N must divide the attention heads, and divide or be a multiple of the KV heads")
     return parser
+
+
+class _Refused(argparse.Action):
+    """A flag the command sets itself: using it is an error that says why."""
+
+    def __init__(self, option_strings, dest, reason: str = "", **kw):
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, **kw)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is not taken here: {self.reason}")
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict:

@@ -315,7 +315,8 @@ def plot_steps(result: dict, path: Path) -> bool:
     try:
         import matplotlib
     except ImportError:
-        logger.warning("matplotlib is not installed: no step-time plot (pip install matplotlib)")
+        logger.warning("matplotlib is not installed: no step-time plot (pip install matplotlib; "
+                       "tqattn's [eval] extra has it)")
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -301,6 +301,10 @@ def run_bench(args, command: str) -> int:
     (rewritten after each dtype, so a run cut short keeps what it measured), and each server's
     log."""
     server_args = shlex.split(args.server_args)
+    if not args.url:  # the servers this command starts need the extra; say so before starting one
+        from tqattn.serve.frontend import uvicorn_module
+
+        uvicorn_module()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = _collect_env()
@@ -327,7 +331,8 @@ def run_bench(args, command: str) -> int:
                      "server_log": server.log if server else "", "metrics": m})
         _write(out, args.tag, {"command": command, "server_args": server_args, "runs": runs, "env": env})
         print(format_table(runs[-1:]), flush=True)
-    print(format_table(runs))
+    if len(runs) > 1:  # one run's table is printed above
+        print(format_table(runs))
     print(format_server_table(runs))
     print(f"wrote {out / args.tag}.json, .md" + ("" if args.url else ", the servers' logs"))
     return 0

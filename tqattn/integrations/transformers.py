@@ -53,7 +53,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+try:
+    from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+except ImportError as e:
+    from ..extras import missing_extra
+
+    raise missing_extra("TurboQuantCache", "hf", e) from e
 
 from ..attention.selector import (AUTO_SKIP, DEFAULT_AUTO_SKIP_BUDGET, check_routing_args,
                                   resolve_kv_cache_dtypes, routing_entries, wants_auto_layers)

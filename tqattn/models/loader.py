@@ -186,10 +186,9 @@ def _transformers():
     try:
         import transformers
     except ImportError as e:
-        raise ImportError(
-            "loading models needs transformers; install with: "
-            'pip install "transformers>=5.17" gguf accelerate safetensors'
-        ) from e
+        from ..extras import missing_extra
+
+        raise missing_extra("loading models", "hf", e) from e
     return transformers
 
 

@@ -35,8 +35,9 @@ def uvicorn_module():
         import fastapi  # noqa: F401
         import uvicorn
     except ImportError as e:
-        raise ImportError(f"the server needs FastAPI and uvicorn ({e.name} is missing); install them "
-                          f"with: pip install -e \".[serve]\" (or pip install fastapi uvicorn)") from e
+        from ..extras import missing_extra
+
+        raise missing_extra("the server", "serve", e) from e
     return uvicorn
 
 

@@ -194,6 +194,21 @@ def test_eval_without_opt_in_fetches_nothing(tmp_path, monkeypatch, capsys):
     assert "--allow-download" in err and ran == [] and not list(tmp_path.rglob("*"))
 
 
+@pytest.mark.parametrize("argv", [["eval", "ppl", "--presets", "tq_k4v3"],
+                                  ["eval", "niah", "--presets", "tq_k4v3", "--out-dir", "OUT"],
+                                  ["eval", "report", "--plan", "cpu-quick", "--out-dir", "OUT"]])
+def test_eval_says_its_data_is_missing_before_loading_a_model(argv, tmp_path, monkeypatch, capsys):
+    from tqattn.evals import data, scoring
+
+    monkeypatch.setenv("TQATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(data.ALLOW_DOWNLOAD_ENV, raising=False)
+    monkeypatch.setattr(scoring, "make_llm", lambda *a, **k: pytest.fail("loaded a model"))
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "shakespeare" in err and "is not in the cache" in err and "--allow-download" in err
+
+
 def test_log_lines_keep_the_traceback():
     # logger.exception in the server's engine loop: the stack is what finds the bug
     import logging

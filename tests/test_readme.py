@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
-SECTIONS = ("Set-up", "Using it")
+SECTIONS = ("Set-up", "Using it", "transformers: TurboQuantCache")
 _FENCE = re.compile(r"^( *)```(\w+)\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
 
 pytestmark = pytest.mark.slow

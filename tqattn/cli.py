@@ -331,13 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("presets", help="list KV-cache presets with exact byte accounting")
-    p.add_argument("--head-dim", type=_head_dim, default=128, help="head size")
+    p.add_argument("--head-dim", type=_head_dim, default=128, help="head size (an even integer >= 8)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=cmd_presets)
 
     p = sub.add_parser("codec-report", help="measure each preset's quantization quality")
     p.add_argument("--head-dim", type=_report_head_dim, default=128,
-                   help=f"head size (at most {MAX_REPORT_HEAD_DIM})")
+                   help=f"head size (an even integer, 8 to {MAX_REPORT_HEAD_DIM})")
     p.add_argument("--preset", action="append", type=_preset_name,
                    help="preset to measure (repeatable; default: every preset that encodes the head size)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data")

@@ -250,8 +250,10 @@ def test_errors_say_what_to_change(tmp_path):
         llm.chat([{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="prompt \\(130 tokens\\).*max_model_len=128"):
         llm.generate({"prompt_token_ids": [5] * 130}, SamplingParams(max_tokens=1))
-    with pytest.raises(ValueError, match="\\[300\\] are not in \\[0, 256\\)"):
+    with pytest.raises(ValueError, match="\\[300\\] are not ints in \\[0, 256\\)$"):
         llm.generate({"prompt_token_ids": [5, 300]})
+    with pytest.raises(ValueError, match="are not ints in \\[0, 256\\) \\(text where token ids go"):
+        llm.score(["The capital of France"])
     # in a batch the error names the prompt by its place in the list, not by an engine id
     with pytest.raises(ValueError, match="^prompts\\[1\\]: prompt \\(130 tokens\\)"):
         llm.generate([{"prompt_token_ids": [5]}, {"prompt_token_ids": [5] * 130}], SamplingParams(max_tokens=1))

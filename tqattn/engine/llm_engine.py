@@ -496,7 +496,8 @@ class LLMEngine:
         vocab = self.model_info.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are not in [0, {vocab})")
+            text = " (text where token ids go: tokenize it first)" if any(isinstance(t, str) for t in bad) else ""
+            raise ValueError(f"prompt token ids {bad[:5]} are not ints in [0, {vocab}){text}")
 
     def add_request(self, request_id: Hashable, prompt: str | dict | list[int],
                     params: SamplingParams | None = None) -> None:

@@ -41,7 +41,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="text source (repeatable; default shakespeare)")
     p.add_argument("--context", action="append", type=_positive,
                    help="window length in tokens (repeatable; default 2048)")
-    p.add_argument("--chunk-size", type=_positive, default=256)
+    p.add_argument("--chunk-size", type=_positive, default=256,
+                   help="prefill chunk in tokens: each chunk attends to the compressed earlier ones")
     p.add_argument("--min-tokens", type=_positive, default=20_000, help="scored tokens per spec")
     p.add_argument("--score-start", default="chunk",
                    help="first scored position in each window: 'chunk' (= chunk size), 'half' or N")
@@ -52,18 +53,23 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 
     p = sub.add_parser("niah", help="needle-in-a-haystack grid with heat maps per preset")
     _model_args(p)
-    p.add_argument("--contexts", type=_int_list, default=[2048, 4096, 8192])
-    p.add_argument("--depths", type=_float_list, default=[0.1, 0.5, 0.9])
-    p.add_argument("--trials", type=_positive, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--contexts", type=_int_list, default=[2048, 4096, 8192],
+                   help="comma-separated prompt lengths in tokens")
+    p.add_argument("--depths", type=_float_list, default=[0.1, 0.5, 0.9],
+                   help="comma-separated needle positions, as a share of the prompt (0 = start)")
+    p.add_argument("--trials", type=_positive, default=1, help="needles per (context, depth) cell")
+    p.add_argument("--seed", type=int, default=0, help="seed of the needles")
     p.add_argument("--out-dir", default="niah_out", help="JSON and PNG heat maps go here")
     _download_arg(p)
     p.set_defaults(func=cmd_niah)
 
     p = sub.add_parser("report", help="preset sweep: one table (md + json) and a quality-vs-bits plot")
-    p.add_argument("--plan", default="cpu", help="report plan YAML path or shipped name (cpu, cpu-quick)")
+    p.add_argument("--plan", default="cpu", help="report plan YAML path or shipped name "
+                                                 f"({', '.join(_shipped_plans())})")
     p.add_argument("--model", action="append", help="run only the plan's models with this name or model")
-    p.add_argument("--presets", type=_presets, help="comma-separated presets (overrides the plan)")
+    p.add_argument("--presets", type=_presets,
+                   help="comma-separated presets (overrides the plan's; its baseline, the reference "
+                        "of the paired comparisons, always runs too)")
     p.add_argument("--skip", type=_parts, default=[], help="comma-separated parts to skip: ppl,niah,gsm")
     p.add_argument("--context-len", type=_int_list, default=None,
                    help="comma-separated: run only the plan's perplexity specs of these context lengths")
@@ -91,7 +97,7 @@ def _model_args(p):
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct), a local path, or "
                         "internal:qwen2.5-coder-0.5b-instruct (internal evaluation only)")
-    p.add_argument("--load-format")
+    p.add_argument("--load-format", help="as in tqattn generate (dummy: random weights)")
     p.add_argument("--presets", type=_presets, default=DEFAULT_PRESETS,
                    help="comma-separated kv_cache_dtype presets; 'auto' is always the reference")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -340,6 +346,12 @@ def cmd_report(args) -> int:
     print(report.markdown(rep))
     print(f"wrote {args.out_dir}/report.md, report.json, quality_vs_bits.png")
     return 0
+
+
+def _shipped_plans() -> list[str]:
+    from tqattn.paths import report_plans_dir
+
+    return sorted(p.stem for p in report_plans_dir().glob("*.yaml"))
 
 
 def _str_list(s: str) -> list[str]:

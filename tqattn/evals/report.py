@@ -17,10 +17,10 @@ import logging
 import math
 import time
 from dataclasses import replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..paths import report_plans_dir
 from . import data as evdata
 from . import gsm8k, niah, ppl, scoring
 
@@ -77,18 +77,14 @@ def kv_bytes_per_token(info: Any, kv_cache_dtype: str, *, skip_layers=(),
 
 # ----------------------------------------------------------------------------- plans
 
-def plans_dir() -> Path:
-    return Path(str(resources.files("tqattn") / "configs" / "evals" / "report"))
-
-
 def load_plan(name_or_path: str) -> dict:
     import yaml
 
     p = Path(name_or_path).expanduser()
     if not p.is_file():
-        p = plans_dir() / f"{Path(name_or_path).name.removesuffix('.yaml')}.yaml"
+        p = report_plans_dir() / f"{Path(name_or_path).name.removesuffix('.yaml')}.yaml"
     if not p.is_file():
-        known = sorted(x.stem for x in plans_dir().glob("*.yaml"))
+        known = sorted(x.stem for x in report_plans_dir().glob("*.yaml"))
         raise FileNotFoundError(f"no report plan {name_or_path!r}; shipped plans: {known}")
     plan = yaml.safe_load(p.read_text())
     validate_plan(plan, str(p))

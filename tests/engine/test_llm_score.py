@@ -87,7 +87,7 @@ def test_bad_arguments_raise_and_free_nothing_leaks():
     cases = [
         (dict(prompt_token_ids=[]), "1 to max_model_len=128"),
         (dict(prompt_token_ids=list(range(3, 132))), "1 to max_model_len=128"),
-        (dict(prompt_token_ids=[1, 2, 300]), r"\[300\] are not in \[0, 256\)"),
+        (dict(prompt_token_ids=[1, 2, 300]), r"\[300\] are not ints in \[0, 256\)"),
         (dict(prompt_token_ids="some text"), "not text"),
         (dict(prompt_token_ids=IDS, chunk_size=0), "chunk_size must be >= 1"),
         (dict(prompt_token_ids=IDS, chunk_size=2.5), "chunk_size must be an integer"),

@@ -263,6 +263,28 @@ def test_crop():
     assert layer.get_seq_length() == 30
 
 
+def test_the_window_owns_its_storage():
+    # a slice of the prefill's K/V would keep the whole prompt alive in full precision
+    layer = TurboQuantLayer("tq_k4v3", residual_length=4)
+    k = torch.randn(1, 1, 300, 16)
+    layer.update(k, k.clone())
+    assert layer.keys.shape[-2] == 4
+    assert layer.keys.untyped_storage().nbytes() == layer.values.untyped_storage().nbytes() == 4 * 16 * 4
+    layer.update(k[..., :1, :], k[..., :1, :])
+    assert layer.keys.untyped_storage().nbytes() == 4 * 16 * 4
+
+
+def test_a_prefix_filled_under_inference_mode_continues_outside_it():
+    model = _model("llama-tiny").model
+    ids = torch.tensor(random_prompts([25], seed=5))
+    cache = TurboQuantCache(model.config, "tq_k4v3", residual_length=4)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :24], **{CACHE_ARGUMENT: cache})
+    out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                         **{CACHE_ARGUMENT: cache})
+    assert out.shape == (1, 28)
+
+
 def test_sliding_layer_keeps_what_dynamic_sliding_keeps():
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -315,6 +337,21 @@ def test_bad_arguments_are_named():
                                          r"\(num_kv_heads, head_dim\) = \(2, 16\) tensor or None"):
         TurboQuantCache(config, key_offsets=[torch.zeros(2, 8), None])
     assert DEFAULT_RESIDUAL_LENGTH >= 0
+
+
+def test_another_models_cache_is_refused_and_crop_keeps_layers_aligned():
+    llama, qwen = _model("llama-tiny").model, _model("qwen3-tiny").model
+    cache = TurboQuantCache(llama.config, "tq_k4v3", residual_length=2, skip_layers=[1])
+    with pytest.raises(ValueError, match="built for a model of 2 layers with 2 KV heads of size 16; "
+                                         "got layer 0 with key_states of shape"):
+        qwen(input_ids=torch.tensor([[1, 2, 3]]), **{CACHE_ARGUMENT: cache})
+    cache = TurboQuantCache(llama.config, "tq_k4v3", residual_length=2, skip_layers=[1])
+    llama(input_ids=torch.tensor(random_prompts([20], seed=1)), **{CACHE_ARGUMENT: cache})
+    cache.crop(5)   # the older positive form: every layer, the full-precision one too, keeps 5
+    assert [layer.get_seq_length() for layer in cache.layers] == [5, 5]
+    offsets = [torch.zeros(2, 16).numpy(), None]   # numpy offsets are taken as tensors
+    cache = TurboQuantCache(llama.config, "tq_k4v3", key_offsets=offsets)
+    llama(input_ids=torch.tensor([[1, 2, 3]]), **{CACHE_ARGUMENT: cache})
 
 
 def test_architectures_it_cannot_hold_are_refused_at_construction():

@@ -20,6 +20,12 @@ BLOCK_SIZE = 16      # the kernels' smallest block size
 GROWTH = 1.25        # pool capacity grows geometrically (amortized copies, <= 25 % slack)
 
 
+def _normal_tensors():
+    # the pool is written in place: one made under torch.inference_mode() could not be written
+    # once the model runs outside it (a prefix filled under inference mode, then generate())
+    return torch.inference_mode(False)
+
+
 class CompressedKV:
     """Tokens ``[start, end)`` of every batch row, compressed; local token indices."""
 
@@ -30,8 +36,9 @@ class CompressedKV:
         self.device = torch.device(device)
         self.start = 0   # first live token (sliding windows drop from the front)
         self.end = 0
-        self.pool = torch.zeros(kv_cache_shape(0, BLOCK_SIZE, num_kv_heads, codec),
-                                dtype=torch.uint8, device=self.device)
+        with _normal_tensors():
+            self.pool = torch.zeros(kv_cache_shape(0, BLOCK_SIZE, num_kv_heads, codec),
+                                    dtype=torch.uint8, device=self.device)
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -60,9 +67,10 @@ class CompressedKV:
         if need <= have:
             return
         new = max(need, int(have * GROWTH) + 1)
-        grown = torch.zeros((new * self.batch_size, *self.pool.shape[1:]), dtype=torch.uint8,
-                            device=self.device)
-        grown[:self.pool.shape[0]] = self.pool
+        with _normal_tensors():
+            grown = torch.zeros((new * self.batch_size, *self.pool.shape[1:]), dtype=torch.uint8,
+                                device=self.device)
+            grown[:self.pool.shape[0]] = self.pool
         self.pool = grown
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -110,7 +118,8 @@ class CompressedKV:
         self.start += min(m, len(self))
         dead = self.start // BLOCK_SIZE
         if dead:
-            self.pool = self.pool[dead * self.batch_size:].clone()
+            with _normal_tensors():
+                self.pool = self.pool[dead * self.batch_size:].clone()
             self.start -= dead * BLOCK_SIZE
             self.end -= dead * BLOCK_SIZE
 
@@ -123,5 +132,6 @@ class CompressedKV:
         index = index.to(self.device)
         c = self._chunks()
         pages = self.pool.view(c, self.batch_size, *self.pool.shape[1:])
-        self.pool = pages.index_select(1, index).flatten(0, 1)
+        with _normal_tensors():
+            self.pool = pages.index_select(1, index).flatten(0, 1)
         self.batch_size = index.numel()

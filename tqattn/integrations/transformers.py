@@ -147,7 +147,7 @@ class TurboQuantLayer(DynamicLayer):
         if spill:
             old = k[..., :spill, :]
             self.compressed.append(old if self._mu is None else old - self._mu, v[..., :spill, :])
-        self.keys, self.values = k[..., spill:, :], v[..., spill:, :]
+        self.keys, self.values = _own(k, spill), _own(v, spill)
 
     def _read(self, *extra: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         ck, cv = self.compressed.read(self.dtype)
@@ -171,7 +171,7 @@ class TurboQuantLayer(DynamicLayer):
             out = self._read()
             raw_gone = self._trim(keep)
             if raw_gone:
-                self.keys, self.values = self.keys[..., raw_gone:, :], self.values[..., raw_gone:, :]
+                self.keys, self.values = _own(self.keys, raw_gone), _own(self.values, raw_gone)
             return out
         out = self._read((key_states, value_states))
         self._push(key_states, value_states, keep)
@@ -225,7 +225,7 @@ class TurboQuantLayer(DynamicLayer):
             return
         raw = min(n, self.keys.shape[-2])
         if raw:
-            self.keys, self.values = self.keys[..., :-raw, :], self.values[..., :-raw, :]
+            self.keys, self.values = _own(self.keys, 0, -raw), _own(self.values, 0, -raw)
         self.compressed.drop_back(n - raw)
         self.cumulative_length -= n
 
@@ -258,6 +258,14 @@ class TurboQuantLayer(DynamicLayer):
     def __repr__(self):
         return (f"{type(self).__name__}(preset={self.preset!r}, "
                 f"residual_length={self.residual_length})")
+
+
+def _own(x: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
+    """Tokens [start, stop) of x (B, Hk, T, D) in storage of their own (a slice is a view that
+    would keep every token of x alive); x itself when that is all of it."""
+    if start == 0 and stop is None:
+        return x
+    return x[..., start:stop, :].clone()
 
 
 class TurboQuantSlidingWindowLayer(TurboQuantLayer):
@@ -340,6 +348,7 @@ class TurboQuantCache(Cache):
                              "the layers")
         shape = (info.num_kv_heads, info.head_dim)
         if key_offsets is not None:
+            key_offsets = [None if mu is None else torch.as_tensor(mu) for mu in key_offsets]
             if len(key_offsets) != info.num_layers or any(
                     mu is not None and tuple(mu.shape) != shape for mu in key_offsets):
                 got = [None if mu is None else tuple(mu.shape) for mu in key_offsets]
@@ -348,6 +357,7 @@ class TurboQuantCache(Cache):
                                  f"{info.num_layers} layers")
         self.preset = preset
         self.residual_length = residual_length
+        self._model_shape = (info.num_layers, info.num_kv_heads, info.head_dim)
         self.layer_kv_cache_dtypes = resolve_kv_cache_dtypes(
             info.num_layers, info.sliding_windows, preset, skip_layers, boundary_layers,
             auto_layers)
@@ -387,6 +397,24 @@ class TurboQuantCache(Cache):
         return cls(config, preset, residual_length=residual_length, skip_layers=skip_layers,
                    boundary_layers=boundary_layers, key_offsets=plan.key_offsets,
                    auto_layers=plan.auto_layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        layers, hk, d = self._model_shape
+        if not 0 <= layer_idx < layers or key_states.dim() != 4 or tuple(key_states.shape[1::2]) != (hk, d):
+            raise ValueError(f"this TurboQuantCache was built for a model of {layers} layers with "
+                             f"{hk} KV heads of size {d}; got layer {layer_idx} with key_states of "
+                             f"shape {tuple(key_states.shape)} (another model's cache?)")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def crop(self, max_length: int) -> None:
+        """transformers' crop: a negative value removes that many newest tokens; a positive one
+        (the older form) is the length to keep, turned into the negative form for every layer."""
+        if max_length > 0:
+            max_length = -max(self.get_seq_length() - max_length, 0)
+            if max_length == 0:
+                return
+        super().crop(max_length)
 
     def stored_bytes(self) -> dict[str, int]:
         """Bytes the cache holds now, summed over layers: ``compressed``, ``residual`` (the

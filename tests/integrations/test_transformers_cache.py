@@ -285,6 +285,21 @@ def test_a_prefix_filled_under_inference_mode_continues_outside_it():
     assert out.shape == (1, 28)
 
 
+def test_codecs_first_built_under_inference_mode_serve_a_forward_with_gradients():
+    # get_codec is cached: a codec built under inference mode is reused where autograd records
+    from tqattn.attention.turboquant import get_codec
+
+    model = _model("qwen3-tiny").model
+    get_codec.cache_clear()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.inference_mode():
+        model(input_ids=ids, **{CACHE_ARGUMENT: TurboQuantCache(model.config, "tq_k4v3", residual_length=0)})
+    out = model(input_ids=ids, **{CACHE_ARGUMENT: TurboQuantCache(model.config, "tq_k4v3", residual_length=0)})
+    out.logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    model.zero_grad(set_to_none=True)
+
+
 def test_sliding_layer_keeps_what_dynamic_sliding_keeps():
     from transformers.cache_utils import DynamicSlidingWindowLayer
 

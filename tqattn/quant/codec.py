@@ -159,6 +159,12 @@ class TQCodec:
     """Encoder/decoder for one (preset, head size); holds the rotation and codebooks."""
 
     def __init__(self, preset: str | TQPreset, head_dim: int, *, device=None, seed: int = 0):
+        # normal tensors even when built under torch.inference_mode(): a cached codec is used
+        # later where autograd records (a transformers forward with gradients on)
+        with torch.inference_mode(False):
+            self._build(preset, head_dim, device, seed)
+
+    def _build(self, preset, head_dim: int, device, seed: int) -> None:
         self.preset = get_preset(preset)
         self.layout = build_layout(self.preset, head_dim)
         self.head_dim = head_dim

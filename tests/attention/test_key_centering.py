@@ -55,6 +55,31 @@ def test_centering_changes_the_codes_not_the_rule():
     assert (a - c).abs().max() > 1e-3                  # a real offset changes the codes
 
 
+@pytest.mark.parametrize("case", ["prefill", "decode", "mixed"])
+def test_a_centered_layer_stores_the_codes_of_k_minus_mu(case):
+    """The cache's bytes, not only the attention (a constant shift of every key cancels in
+    softmax, so outputs alone cannot tell whether the store centered)."""
+    from tqattn.attention.turboquant import TurboQuantBackend, TurboQuantMetadataBuilder
+    from tqattn.quant.paged import store_ref
+
+    from .batch_utils import make_batch, num_blocks, random_qkv
+
+    s = spec(kv=P)
+    mu = big_offset(s)
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch(CASES[case][0], gen=gen)
+    impl = TurboQuantImpl(s)
+    impl.set_key_offset(mu, "cpu")
+    md = TurboQuantMetadataBuilder({s.name: impl}, "cpu").build(batch.common)
+    shape = TurboQuantBackend.kv_cache_shape(num_blocks(batch), batch.common.block_size, s)
+    got, want = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
+    n = batch.common.num_actual_tokens
+    _, k, v = random_qkv(n, s, gen)
+    impl.store(k, v, got, md)
+    store_ref(impl.codec(), k[:n].float() - mu, v[:n], want, md.slot_mapping[:n])
+    assert got.any() and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("preset,d,splits", [
     (P, 16, 1), ("tq_k4v3", 64, 2), ("turboquant_k8v4", 64, 1), ("tq_k3o4v3.5", 64, 1)])
 def test_triton_kernels_with_centering(monkeypatch, preset, d, splits):

@@ -4,6 +4,23 @@ import torch
 
 from tqattn.quant import paged
 from tqattn.quant.codec import TQCodec
+from tqattn.quant.presets import PRESETS
+
+
+def kernel_presets(head_dim: int = 64, block_size: int = 16) -> list[str]:
+    """Every preset the Triton kernels take at this head size (QJL presets have none)."""
+    try:
+        from tqattn.kernels._spec import kernel_spec
+    except ImportError:  # no Triton: the kernel tests skip
+        return []
+    out = []
+    for name in PRESETS:
+        try:
+            kernel_spec(TQCodec(name, head_dim), block_size)
+        except NotImplementedError:
+            continue
+        out.append(name)
+    return out
 
 
 def random_block_table(lens, block_size, extra_blocks=1, device="cpu", gen=None):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.kernels import conftest
-from tests.kernels._util import filled_cache, rel_err
+from tests.kernels._util import filled_cache, kernel_presets, rel_err
 from tqattn.quant import paged
 from tqattn.quant.codec import TQCodec
 
@@ -12,9 +12,8 @@ pytestmark = pytest.mark.skipif(not (conftest.INTERPRET and conftest.KERNELS_IMP
                                 reason="CPU interpreter tests (GPU runs test_kernels_gpu.py)")
 
 
-@pytest.mark.parametrize("name,d", [("turboquant_k8v4", 64), ("turboquant_k3v4_nc", 64),
-                                    ("turboquant_3bit_nc", 80), ("tq_k3.5v3.5", 80),
-                                    ("tq_k4v2", 64), ("tq_k3o4v3.5", 64), ("tq_k3o4v3.5", 80)])
+@pytest.mark.parametrize("name,d", [(p, 64) for p in kernel_presets()]
+                         + [("turboquant_3bit_nc", 80), ("tq_k3.5v3.5", 80), ("tq_k3o4v3.5", 80)])
 def test_dequant_matches_reference(name, d):
     from tqattn.kernels.dequant import dequant_kv_triton
     codec = TQCodec(name, d)

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.kernels import conftest
@@ -28,9 +29,9 @@ def test_cpu_runs_the_reference(monkeypatch):
     assert bool(c2.any())
 
 
+@pytest.mark.skipif(not (conftest.INTERPRET and conftest.KERNELS_IMPORTED),
+                    reason="CPU interpreter test (the GPU tests run the kernels)")
 def test_forced_triton_matches(monkeypatch):
-    if not (conftest.INTERPRET and conftest.KERNELS_IMPORTED):
-        return
     monkeypatch.setenv("TQATTN_FORCE_TRITON", "1")
     codec = TQCodec("turboquant_k8v4", 64)
     cache, bt, lens = filled_cache(codec, [20], 1, 16)

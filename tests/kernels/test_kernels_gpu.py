@@ -1,18 +1,15 @@
 """Kernels vs their references on the GPU at real shapes (``pytest -m gpu tests/kernels``)."""
 
-import math
-
 import pytest
 import torch
 
-from tests.kernels._util import filled_cache, random_block_table, rel_err, slots_for
+from tests.kernels._util import filled_cache, kernel_presets, random_block_table, rel_err, slots_for
 from tqattn.quant import paged
 from tqattn.quant.codec import TQCodec
 
 pytestmark = pytest.mark.gpu
 
-ALL = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
-       "tq_k4v4", "tq_k4v3", "tq_k3v4", "tq_k3v3", "tq_k3.5v3.5", "tq_k4v2", "tq_k3o4v3.5"]
+ALL = kernel_presets(128)   # every preset the kernels take
 DEV = "cuda"
 
 
@@ -466,7 +463,13 @@ def test_dispatch_gpu():
     k = torch.randn(500, 8, 128, device=DEV)
     store_kv(codec, k, k, cache, slots_for(bt, 0, torch.arange(500, device=DEV), 16))
     lens = torch.tensor([500], device=DEV, dtype=torch.int32)
+    ref = torch.zeros_like(cache)
+    paged.store_ref(codec, k, k, ref, slots_for(bt, 0, torch.arange(500, device=DEV), 16))
+    assert (cache != ref).float().mean() < 5e-3   # as test_store_gpu: codes on bucket edges
     q = torch.randn(1, 32, 128, device=DEV, dtype=torch.bfloat16)
-    assert decode_attention(codec, q, cache, bt, lens).dtype == torch.bfloat16
-    assert dequant_kv(codec, cache, bt, lens)[0].shape == (500, 8, 128)
-    assert math.isfinite(float(cache.float().sum()))
+    out = decode_attention(codec, q, cache, bt, lens)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, paged.decode_attention_ref(codec, q, cache, bt, lens)) < 1e-2
+    kd, vd = dequant_kv(codec, cache, bt, lens)
+    kr, vr = paged.dequant_ref(codec, cache, bt, lens)
+    assert kd.shape == (500, 8, 128) and rel_err(kd, kr) < 1e-2 and rel_err(vd, vr) < 1e-2

@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from tests.kernels import conftest
+from tests.kernels._util import kernel_presets
 from tqattn.quant import paged
 from tqattn.quant.codec import TQCodec
 
 pytestmark = pytest.mark.skipif(not (conftest.INTERPRET and conftest.KERNELS_IMPORTED),
                                 reason="CPU interpreter tests (GPU runs test_kernels_gpu.py)")
 
-PRESETS = ["turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
-           "tq_k4v4", "tq_k4v3", "tq_k3v4", "tq_k3v3", "tq_k3.5v3.5", "tq_k4v2",
-           "tq_k3v4_debias", "tq_k3o4v3.5"]
+PRESETS = kernel_presets()   # every preset the kernels take
 
 
 def _store_both(codec, k, v, slots, nb, bs, hk, **sizes):

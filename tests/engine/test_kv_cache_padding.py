@@ -36,6 +36,26 @@ def test_padded_layers_bytes_and_generation():
         EngineArgs(kv_cache_pad_head_size=1)
 
 
+def test_padded_engine_equals_the_chunked_reference_over_the_padded_codec():
+    """Greedy tokens of the padded engine = attention over K/V zero-padded to 128, encoded and
+    decoded by the 128 codec and cut back to the head size (the rule, outside the engine)."""
+    from .test_llm_reference import (ChunkedReference, engine_key_offsets, random_prompts,
+                                     record_chunks)
+
+    kw = dict(kv_cache_dtype="tq_k4v3", kv_cache_boundary_layers=0, **SMALL)
+    llm = LLM("llama-tiny-hd80", kv_cache_pad_head_size=True, **kw)
+    assert [layer.spec.cache_head_size for layer in llm.llm_engine.layers] == [128, 128]
+    prompts = random_prompts([1, 17, 40], seed=4)
+    chunks = record_chunks(llm)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    dtypes = [layer.spec.kv_cache_dtype for layer in llm.llm_engine.layers]
+    ref = ChunkedReference("llama-tiny-hd80", dtypes, engine_key_offsets(llm), pad_to=128,
+                           dtype="float32")
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == ref.generate(p, 8, chunks[o.request_id])
+
+
 def _resolve(monkeypatch, gpu: bool, dtype="tq_k4v3", heads=(32, 8), head_dim=80, softcap=0.0,
              pad=None):
     """resolve_pad_head_size on a stand-in config, with the tensor-core check answering ``gpu``."""

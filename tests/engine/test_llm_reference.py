@@ -56,9 +56,10 @@ def _dense(q, k, v, q_pos, scale, window, softcap):
 class _State:
     """The history of the request being run: per layer, the K/V the cache would return."""
 
-    def __init__(self, kv_dtypes, key_offsets=None):
+    def __init__(self, kv_dtypes, key_offsets=None, pad_to=None):
         self.kv_dtypes = kv_dtypes
         self.key_offsets = key_offsets
+        self.pad_to = pad_to  # a padded cache: vectors zero-padded to this head size
         self.k = defaultdict(list)
         self.v = defaultdict(list)
 
@@ -75,13 +76,16 @@ class _State:
         preset = self.kv_dtypes[layer]
         if preset == "auto":
             return k, v
-        codec = get_codec(preset, k.shape[-1])
+        d = k.shape[-1]
+        codec = get_codec(preset, self.pad_to or d)
         mu = None if self.key_offsets is None else self.key_offsets[layer]
         mu = 0.0 if mu is None else mu.to(k.dtype)
+        pad = (0, codec.head_dim - d)
         # the paged cache's form: "nc" norms folded (tqattn.quant.paged)
-        k_hat, v_hat = codec.folded().decode(codec.encode(k - mu, v, on_nonfinite="propagate",
-                                                          fold_nc=True))
-        return k_hat + mu, v_hat
+        k_hat, v_hat = codec.folded().decode(codec.encode(
+            torch.nn.functional.pad(k - mu, pad), torch.nn.functional.pad(v, pad),
+            on_nonfinite="propagate", fold_nc=True))
+        return k_hat[..., :d] + mu, v_hat[..., :d]
 
 
 _current: _State | None = None
@@ -109,7 +113,7 @@ def engine_key_offsets(llm):
 
 
 class ChunkedReference:
-    def __init__(self, name, kv_dtypes, key_offsets=None, **load_kwargs):
+    def __init__(self, name, kv_dtypes, key_offsets=None, pad_to=None, **load_kwargs):
         from transformers import AttentionInterface
 
         AttentionInterface.register(REF_IMPL, _reference_attention)
@@ -119,6 +123,7 @@ class ChunkedReference:
         n = self.lm.info.num_layers
         self.kv_dtypes = [kv_dtypes] * n if isinstance(kv_dtypes, str) else list(kv_dtypes)
         self.key_offsets = key_offsets
+        self.pad_to = pad_to
 
     @torch.inference_mode()
     def _run_chunk(self, st, ids, start):
@@ -135,7 +140,7 @@ class ChunkedReference:
         """Greedy tokens of one request; chunks = [(start, n), ...] in the order the engine ran
         them (None: the whole prompt, then one token at a time)."""
         tokens, out = list(prompt), []
-        st = _State(self.kv_dtypes, self.key_offsets)
+        st = _State(self.kv_dtypes, self.key_offsets, self.pad_to)
         chunks = list(chunks) if chunks is not None else None
         while len(out) < max_tokens:
             if chunks is None:

@@ -83,8 +83,6 @@ def cmd_generate(args) -> int:
     from .engine.arg_utils import engine_kwargs_from_args, sampling_params_from_args
 
     # everything a user can get wrong is checked before the model loads
-    if args.stream and args.json:
-        raise ValueError("--stream and --json cannot be combined: --json prints one JSON document at the end")
     engine_kwargs = engine_kwargs_from_args(args)
     params = sampling_params_from_args(args)
     token_prompts = [{"prompt_token_ids": _token_ids(p)} for p in args.prompt] if args.token_ids else None
@@ -356,10 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat", action="store_true", help="send prompts as plain text, no chat template")
     p.add_argument("--token-ids", action="store_true",
                    help="each PROMPT is a comma-separated list of token ids (models without a tokenizer)")
-    p.add_argument("--json", action="store_true",
-                   help="print tokens, text, timings and the cache plan as JSON (stdout holds only the JSON)")
-    p.add_argument("--stream", action="store_true",
-                   help="print each reply as it is generated (prompts run one after another)")
+    out = p.add_mutually_exclusive_group()  # --json prints one document at the end
+    out.add_argument("--json", action="store_true",
+                     help="print tokens, text, timings and the cache plan as JSON (stdout holds only the JSON)")
+    out.add_argument("--stream", action="store_true",
+                     help="print each reply as it is generated (prompts run one after another)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="an interactive conversation in the terminal (streams the replies)",

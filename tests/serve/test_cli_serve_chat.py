@@ -100,8 +100,9 @@ def test_generate_stream_prints_the_generate_text(tiny_model_dir, capsys):
     assert main([*args, "--stream"]) == 0
     streamed = capsys.readouterr().out.split(">>> Hello there\n", 1)[1].strip("\n")
     assert streamed == plain and plain
-    assert main([*args, "--stream", "--json"]) == 1
-    assert "--stream and --json cannot be combined" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--stream", "--json"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 def test_chat_loop_keeps_history(tiny_model_dir):

@@ -13,14 +13,28 @@ SMALL = dict(load_format="dummy", dtype="float32", max_model_len=160, max_num_se
              max_num_batched_tokens=64, enable_prefix_caching=False)
 
 
-def test_padded_layers_bytes_and_generation():
+def test_padded_layers_bytes_and_generation(caplog):
+    import logging
+
+    from tqattn.quant.layout import build_layout
+
     kw = dict(kv_cache_dtype="tq_k4v3", kv_cache_dtype_skip_layers=[1],
               kv_cache_boundary_layers=0, **SMALL)
     compact = LLM("llama-tiny-hd80", **kw).llm_engine
-    llm = LLM("llama-tiny-hd80", kv_cache_pad_head_size=True, **kw)
+    with caplog.at_level(logging.INFO, logger="tqattn"):
+        llm = LLM("llama-tiny-hd80", kv_cache_pad_head_size=True, **kw)
+    # the logged cost is the slots' (the norms do not grow with the head size), not 128 / 80
+    grow = build_layout("tq_k4v3", 128).slot_bytes / build_layout("tq_k4v3", 80).slot_bytes
+    assert f"({grow:.2f}x their bytes" in caplog.text and grow < 1.6
     padded = llm.llm_engine
     sizes = [layer.spec.cache_head_size for layer in padded.layers]
     assert sizes == [128, 80]  # layer 1 keeps its full-precision cache
+    # the plan says which group is padded
+    from tqattn.engine.llm_engine import format_plan
+
+    text = format_plan(padded.plan)
+    assert text.count("(head size 80 stored zero-padded to 128)") == 1
+    assert "zero-padded" not in format_plan(compact.plan)
     assert [layer.spec.cache_head_size for layer in compact.layers] == [80, 80]
     # the compressed group's pages grow with the padding (128 / 80, less the fixed norms);
     # the full-precision group's stay

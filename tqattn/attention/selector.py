@@ -275,7 +275,10 @@ def describe_plan(layers: Sequence[AttentionLayer], block_size: int) -> dict:
     groups = {}
     for l in layers:
         g = groups.setdefault(l.group, {"group": l.group, "backend": l.backend.name,
-                                        "kv_cache_dtype": l.spec.kv_cache_dtype, "layers": []})
+                                        "kv_cache_dtype": l.spec.kv_cache_dtype, "layers": [],
+                                        # the head size the cache stores (padded: larger)
+                                        "head_size": l.spec.head_size,
+                                        "cache_head_size": l.spec.cache_head_size})
         g["layers"].append(l.spec.layer_idx)
     return {
         "num_layers": len(layers),

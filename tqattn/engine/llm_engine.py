@@ -38,6 +38,7 @@ from tqattn.models import load_config, load_model
 from tqattn.models.fused_projections import fuse_projections
 from tqattn.models.loader import LoadedModel
 from tqattn.models.sharding import split_heads
+from tqattn.quant.layout import build_layout
 from tqattn.quant.presets import PRESETS
 
 from . import calibration, compilation, parallel, precompile
@@ -261,10 +262,12 @@ def attention_layers(args: EngineArgs, loaded: LoadedModel, key_plan: calibratio
                    for i, d in enumerate(compressed_head_sizes(args, info, heads, device))]
     padded = next((d for d in cache_sizes if d is not None), None)
     if padded is not None:
+        grow = (build_layout(args.kv_cache_dtype, padded).slot_bytes
+                / build_layout(args.kv_cache_dtype, info.head_dim).slot_bytes)
         logger.info("kv_cache_pad_head_size: head size %d stored zero-padded to %d in %d "
                     "compressed layers (%.2fx their bytes, the tensor-core decode kernel; "
                     "--no-kv-cache-pad-head-size keeps them compact)", info.head_dim, padded,
-                    cache_sizes.count(padded), padded / info.head_dim)
+                    cache_sizes.count(padded), grow)
     specs = [AttentionLayerSpec(
         layer_idx=i, num_heads=heads.num_q_heads, num_kv_heads=heads.num_kv_heads,
         head_size=info.head_dim, scale=info.scaling, dtype=loaded.dtype,
@@ -774,7 +777,9 @@ def format_plan(plan: dict) -> str:
     dtypes = ", ".join(f"{d} x{c}" for d, c in plan["kv_cache_dtypes"].items())
     lines = [f"KV-cache plan: {plan['num_layers']} layers: {backends}; kv_cache_dtype: {dtypes}"]
     for g in plan["groups"]:
-        lines.append(f"  group {g['group']}: {g['backend']} {g['kv_cache_dtype']} layers {g['layers']}")
+        padded = (f" (head size {g['head_size']} stored zero-padded to {g['cache_head_size']})"
+                  if g.get("cache_head_size", g.get("head_size")) != g.get("head_size") else "")
+        lines.append(f"  group {g['group']}: {g['backend']} {g['kv_cache_dtype']} layers {g['layers']}{padded}")
     if plan.get("calibration"):
         lines.append(f"  {plan['calibration']}")
     if plan.get("auto_routing"):
